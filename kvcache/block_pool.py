@@ -1,0 +1,99 @@
+"""Fixed pool of KV blocks with reference counts and an LRU of evictable cached blocks.
+
+A block whose reference count drops to zero goes back to the free queue but keeps its
+prefix hash, so a later request with the same prefix can revive it without recompute.
+Allocation takes from the head of the queue (least recently freed), which evicts the
+coldest cached content first.
+"""
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: bytes | None = None
+
+
+class NoFreeBlocksError(RuntimeError):
+    pass
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Insertion order is LRU order: evict from the front, append freed blocks at the back.
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[bytes, int] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def allocate(self, n: int) -> list[Block]:
+        """Take n blocks off the free queue, evicting their cached content."""
+        if n > len(self._free):
+            raise NoFreeBlocksError(f"asked for {n} blocks, {len(self._free)} free")
+        out = []
+        for _ in range(n):
+            block_id, _ = self._free.popitem(last=False)
+            block = self.blocks[block_id]
+            self._forget_hash(block)
+            block.ref_count = 1
+            out.append(block)
+        return out
+
+    def lookup(self, block_hash: bytes) -> Block | None:
+        block_id = self._cached.get(block_hash)
+        return None if block_id is None else self.blocks[block_id]
+
+    def share(self, block: Block) -> None:
+        """Add a reference to a cached block, pulling it off the free queue if idle."""
+        if block.ref_count == 0:
+            del self._free[block.block_id]
+        block.ref_count += 1
+
+    def cache(self, block: Block, block_hash: bytes) -> None:
+        """Publish a full block under its chained hash; the first holder of a hash wins."""
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash in self._cached:
+            return
+        block.block_hash = block_hash
+        self._cached[block_hash] = block.block_id
+
+    def free(self, blocks: list[Block]) -> None:
+        """Drop one reference from each block. Free them tail first so that the
+        deepest (least reusable) blocks of a sequence are evicted first."""
+        for block in reversed(blocks):
+            if block.ref_count <= 0:
+                raise RuntimeError(f"double free of block {block.block_id}")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.block_hash is None:
+                    # Uncached blocks hold nothing worth keeping: reuse them first.
+                    self._free[block.block_id] = None
+                    self._free.move_to_end(block.block_id, last=False)
+                else:
+                    self._free[block.block_id] = None
+
+    def reset_prefix_cache(self) -> None:
+        for block in self.blocks:
+            block.block_hash = None
+        self._cached.clear()
+
+    def _forget_hash(self, block: Block) -> None:
+        if block.block_hash is not None:
+            if self._cached.get(block.block_hash) == block.block_id:
+                del self._cached[block.block_hash]
+            block.block_hash = None

@@ -1,0 +1,135 @@
+"""Per-request block tables on top of the block pool, plus prefix-cache lookups and stats.
+
+The manager knows requests only by id and token ids; the scheduler decides who gets
+blocks, the manager decides which blocks.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvcache.block_pool import Block, BlockPool
+from kvcache.hashing import ROOT_HASH, hash_block
+
+
+@dataclass
+class KVStats:
+    num_free_blocks: int
+    num_total_blocks: int
+    num_cached_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_total_blocks
+
+
+@dataclass
+class CachedPrefix:
+    """Result of a prefix-cache lookup, consumed by the request's first allocation."""
+
+    blocks: list[Block]
+    num_queried: int
+
+
+@dataclass
+class _RequestBlocks:
+    blocks: list[Block] = field(default_factory=list)
+    # Chained hashes of the blocks already published to the prefix cache.
+    hashes: list[bytes] = field(default_factory=list)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True):
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.enable_prefix_caching = enable_prefix_caching
+        self._requests: dict[str, _RequestBlocks] = {}
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def block_ids(self, request_id: str) -> list[int]:
+        entry = self._requests.get(request_id)
+        return [] if entry is None else [b.block_id for b in entry.blocks]
+
+    def find_cached_prefix(self, token_ids: Sequence[int]) -> CachedPrefix:
+        """Longest run of cached full blocks matching the start of token_ids.
+
+        The last token is never taken from cache: the model must run on at least one
+        token to produce logits.
+        """
+        if not self.enable_prefix_caching:
+            return CachedPrefix([], 0)
+        hits: list[Block] = []
+        parent = ROOT_HASH
+        usable = len(token_ids) - 1
+        for start in range(0, usable - self.block_size + 1, self.block_size):
+            parent = hash_block(parent, token_ids[start : start + self.block_size])
+            block = self.pool.lookup(parent)
+            if block is None:
+                break
+            hits.append(block)
+        return CachedPrefix(hits, max(0, usable // self.block_size))
+
+    def allocate(self, request_id: str, num_tokens: int, cached: CachedPrefix | None = None) -> bool:
+        """Make the request hold enough blocks for num_tokens tokens in total.
+
+        `cached` is only taken on the request's first allocation. Returns False,
+        changing nothing, when the pool cannot cover the new blocks.
+        """
+        entry = self._requests.get(request_id)
+        prefix = cached.blocks if entry is None and cached is not None else []
+        # Idle cached blocks sit in the free queue: reviving them consumes free slots too.
+        revived = sum(1 for b in prefix if b.ref_count == 0)
+        held = len(prefix) if entry is None else len(entry.blocks)
+        new = max(0, cdiv(num_tokens, self.block_size) - held)
+        if new + revived > self.pool.num_free_blocks:
+            return False
+        if entry is None:
+            entry = self._requests[request_id] = _RequestBlocks()
+            if cached is not None:
+                self.prefix_cache_queries += cached.num_queried
+                self.prefix_cache_hits += len(cached.blocks)
+            for block in prefix:
+                self.pool.share(block)
+            entry.blocks.extend(prefix)
+            entry.hashes.extend(b.block_hash for b in prefix)
+        entry.blocks.extend(self.pool.allocate(new))
+        return True
+
+    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed: int) -> None:
+        """Publish the blocks that became full once num_computed tokens hold KV."""
+        if not self.enable_prefix_caching:
+            return
+        entry = self._requests[request_id]
+        num_full = min(num_computed // self.block_size, len(entry.blocks))
+        parent = entry.hashes[-1] if entry.hashes else ROOT_HASH
+        for i in range(len(entry.hashes), num_full):
+            start = i * self.block_size
+            parent = hash_block(parent, token_ids[start : start + self.block_size])
+            entry.hashes.append(parent)
+            self.pool.cache(entry.blocks[i], parent)
+
+    def free(self, request_id: str) -> None:
+        entry = self._requests.pop(request_id, None)
+        if entry is not None:
+            self.pool.free(entry.blocks)
+
+    def stats(self) -> KVStats:
+        return KVStats(
+            num_free_blocks=self.pool.num_free_blocks,
+            num_total_blocks=self.pool.num_blocks,
+            num_cached_blocks=self.pool.num_cached_blocks,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
+        )

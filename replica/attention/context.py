@@ -1,0 +1,38 @@
+"""The per-step state every attention layer reads.
+
+transformers calls our attention function from inside each decoder layer and passes
+only the layer's own tensors, so the KV cache and the step's metadata travel through
+this module-level slot, set by the model runner around each forward pass.
+"""
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from replica.attention.metadata import AttentionMetadata
+
+
+@dataclass
+class ForwardContext:
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: ([slots, Hkv, D], [slots, Hkv, D])
+    metadata: AttentionMetadata
+
+
+_current: ForwardContext | None = None
+
+
+@contextmanager
+def forward_context(ctx: ForwardContext):
+    global _current
+    previous, _current = _current, ctx
+    try:
+        yield
+    finally:
+        _current = previous
+
+
+def get_forward_context() -> ForwardContext:
+    if _current is None:
+        raise RuntimeError("paged attention called outside a kvserve forward pass")
+    return _current

@@ -1,0 +1,131 @@
+"""Iteration-level scheduler (vLLM v1's single rule).
+
+Every step each running request gets the tokens it needs to catch up
+(`num_tokens - num_computed_tokens`), within the token budget; waiting requests are
+admitted with what budget remains. Chunked prefill and mixed prefill/decode steps
+fall out of that rule. When blocks run out, the newest running request is preempted
+and later recomputed from scratch (its prefix blocks are likely still cached).
+
+The `static` policy exists only as the benchmark baseline: a new batch is admitted
+only once every request of the previous batch has finished.
+"""
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvcache import KVCacheManager
+from replica.request import FinishReason, Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step completes the request's input, so a token is sampled."""
+        r = self.request
+        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        policy: str = "continuous",
+    ):
+        self.kv = kv
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.static = policy == "static"
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._batch_open = True  # static policy: whether the current batch still admits
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.allocate(request.request_id, request.num_computed_tokens + n):
+                victim = self.running.pop()  # newest first
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(request, n))
+                budget -= n
+                i += 1
+                continue
+            break  # the request itself was preempted: nothing newer remains
+
+        if out.preempted:
+            return out
+        if self.static and not self.running:
+            self._batch_open = True
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+            and self._batch_open
+        ):
+            request = self.waiting[0]
+            cached = self.kv.find_cached_prefix(request.token_ids)
+            num_computed = len(cached.blocks) * self.kv.block_size
+            n = min(request.num_tokens - num_computed, budget)
+            if not self.kv.allocate(request.request_id, num_computed + n, cached):
+                self._batch_open = not self.static
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_computed
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_computed
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, n))
+            budget -= n
+        if self.static and (not self.waiting or len(self.running) >= self.max_num_seqs):
+            self._batch_open = False
+        return out
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        """Retire a request (finished or aborted) and free its blocks."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self.kv.free(request.request_id)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request.request_id)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
