@@ -5,8 +5,10 @@ import logging
 
 import torch
 from transformers import AutoModelForCausalLM
+from transformers.utils import logging as transformers_logging
 
 from replica.attention import ForwardContext, build_metadata, forward_context, register_backend
+from replica.attention.torch_backend import kv_cache_shape
 from replica.config import EngineConfig
 from replica.model_loader import ModelNotFoundError
 
@@ -32,6 +34,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype)
         self.block_size = config.block_size
         attn_impl = register_backend(config.attention_backend)
+        transformers_logging.disable_progress_bar()
         try:
             self.model = AutoModelForCausalLM.from_pretrained(
                 model_path, dtype=self.dtype, attn_implementation=attn_impl
@@ -64,7 +67,7 @@ class ModelRunner:
         return max(1, int(gigabytes * 2**30) // self.bytes_per_block)
 
     def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        shape = (self.num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
+        shape = kv_cache_shape(self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         # zeros: on CPU the pages stay unmapped until first written.
         return [
             (

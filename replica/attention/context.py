@@ -15,7 +15,7 @@ from replica.attention.metadata import AttentionMetadata
 
 @dataclass
 class ForwardContext:
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: ([slots, Hkv, D], [slots, Hkv, D])
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), layout set by the backend
     metadata: AttentionMetadata
 
 

@@ -3,6 +3,7 @@ CPU side and shared by every layer.
 
 Packed order: all decode rows (one query token each) first, then each prefill chunk.
 Decode rows are batched together; prefill chunks are few per step and run one by one.
+Reads go through block tables (whole blocks at a time), writes through slot_mapping.
 """
 
 from dataclasses import dataclass
@@ -14,16 +15,16 @@ import torch
 class PrefillChunk:
     start: int  # first row of the chunk in the packed batch
     end: int
-    context_len: int  # tokens of this sequence with KV after this step (cached + chunk)
-    context_slots: torch.Tensor | None  # [context_len] cache slots; None when nothing precedes the chunk
+    context_len: int  # tokens of this sequence with KV after this step (earlier + chunk)
+    block_table: torch.Tensor | None  # blocks covering the context; None when nothing precedes the chunk
 
 
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot of every packed token
     num_decodes: int
-    decode_slots: torch.Tensor | None  # [num_decodes, max_context] cache slots (padded)
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_context] True where valid
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks], padded with block 0
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] True where valid
     prefills: list[PrefillChunk]
 
 
@@ -41,38 +42,31 @@ def build_metadata(
 
     slot_mapping = []
     for table, ctx, q in zip(block_tables, context_lens, query_lens, strict=True):
-        slot_mapping.extend(_slots(table, range(ctx - q, ctx), block_size))
+        slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(ctx - q, ctx))
 
-    decode_slots = decode_mask = None
+    decode_tables = decode_mask = None
     if num_decodes:
-        lens = torch.tensor(context_lens[:num_decodes])
-        width = int(lens.max())
-        max_blocks = -(-width // block_size)
-        tables = torch.tensor([t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in block_tables[:num_decodes]])
-        positions = torch.arange(width)
-        decode_slots = tables[:, positions // block_size] * block_size + positions % block_size
-        decode_mask = (positions[None, :] < lens[:, None])[:, None, None, :]
-        decode_slots, decode_mask = decode_slots.to(device), decode_mask.to(device)
+        lens = context_lens[:num_decodes]
+        width = -(-max(lens) // block_size)
+        rows = [t[:width] + [0] * (width - len(t[:width])) for t in block_tables[:num_decodes]]
+        decode_tables = torch.tensor(rows, dtype=torch.long, device=device)
+        positions = torch.arange(width * block_size)
+        decode_mask = (positions[None, :] < torch.tensor(lens)[:, None])[:, None, None, :].to(device)
 
     prefills = []
     row = num_decodes
-    for table, ctx, q in zip(
-        block_tables[num_decodes:], context_lens[num_decodes:], query_lens[num_decodes:], strict=True
-    ):
-        context_slots = None
+    for i in range(num_decodes, len(query_lens)):
+        ctx, q = context_lens[i], query_lens[i]
+        table = None
         if ctx > q:
-            context_slots = torch.tensor(_slots(table, range(ctx), block_size), device=device)
-        prefills.append(PrefillChunk(row, row + q, ctx, context_slots))
+            table = torch.tensor(block_tables[i][: -(-ctx // block_size)], dtype=torch.long, device=device)
+        prefills.append(PrefillChunk(row, row + q, ctx, table))
         row += q
 
     return AttentionMetadata(
         slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
         num_decodes=num_decodes,
-        decode_slots=decode_slots,
+        decode_block_tables=decode_tables,
         decode_mask=decode_mask,
         prefills=prefills,
     )
-
-
-def _slots(table: list[int], positions: range, block_size: int) -> list[int]:
-    return [table[p // block_size] * block_size + p % block_size for p in positions]

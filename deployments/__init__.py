@@ -1,0 +1,1 @@
+"""How kvserve is launched: the command line (and, later, Serve apps and batch jobs)."""

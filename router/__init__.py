@@ -1,0 +1,1 @@
+"""Request entry and placement (HTTP ingress, gRPC, coordinator, KV-aware router)."""
