@@ -57,9 +57,7 @@ def run_hf_static(model, prompts, lengths, batch_size: int) -> float:
     for i in range(0, len(prompts), batch_size):
         batch = torch.tensor(prompts[i : i + batch_size])
         longest = max(lengths[i : i + batch_size])
-        config = GenerationConfig(
-            max_new_tokens=longest, do_sample=False, eos_token_id=None, pad_token_id=0
-        )
+        config = GenerationConfig(max_new_tokens=longest, do_sample=False, eos_token_id=None, pad_token_id=0)
         out = model.generate(batch, attention_mask=torch.ones_like(batch), generation_config=config)
         assert out.shape[1] == batch.shape[1] + longest
     return time.perf_counter() - start
@@ -112,17 +110,26 @@ def model_flops_per_token(model) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default=None)
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--mean-output", type=float, default=64)
     parser.add_argument("--caps", type=int, nargs="+", default=[32, 128, 512])
-    parser.add_argument("--batch-size", type=int, default=64,
-                        help="max concurrent sequences for every system (HF static batch size)")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=64,
+        help="max concurrent sequences for every system (HF static batch size)",
+    )
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--systems", nargs="+",
-                        default=["kvserve_continuous", "kvserve_static", "hf_static", "hf_generate_batch"])
+    parser.add_argument(
+        "--systems",
+        nargs="+",
+        default=["kvserve_continuous", "kvserve_static", "hf_static", "hf_generate_batch"],
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS / "offline_cpu.json")
     parser.add_argument("--quick", action="store_true", help="tiny smoke run")
@@ -134,8 +141,9 @@ def main() -> None:
     torch.manual_seed(args.seed)
     dtype = torch.bfloat16
     model_path = resolve_model(args.model)
-    engine_args = dict(dtype="bfloat16", max_num_seqs=args.batch_size, kv_cache_memory_gb=2.0,
-                       enable_prefix_caching=False)
+    engine_args = dict(
+        dtype="bfloat16", max_num_seqs=args.batch_size, kv_cache_memory_gb=2.0, enable_prefix_caching=False
+    )
     llms = {}
     if "kvserve_continuous" in args.systems:
         llms["kvserve_continuous"] = LLM(str(model_path), **engine_args)
@@ -162,11 +170,18 @@ def main() -> None:
 
     rows = []
     for cap in args.caps:
-        prompts, lengths = make_workload(args.num_requests, args.prompt_len, args.mean_output, cap, vocab, args.seed)
+        prompts, lengths = make_workload(
+            args.num_requests, args.prompt_len, args.mean_output, cap, vocab, args.seed
+        )
         generated = sum(lengths)
         processed = generated + args.num_requests * args.prompt_len
-        row = {"cap": cap, "generated_tokens": generated, "mean_output": generated / len(lengths),
-               "max_output": max(lengths), "systems": {}}
+        row = {
+            "cap": cap,
+            "generated_tokens": generated,
+            "mean_output": generated / len(lengths),
+            "max_output": max(lengths),
+            "systems": {},
+        }
         for system in args.systems:
             print(f"cap={cap} {system} ...", flush=True)
             if system in llms:
@@ -183,13 +198,17 @@ def main() -> None:
                 "output_tokens_per_s": generated / elapsed,
                 "roofline_fraction": achieved / peak,
             }
-            print(f"  {generated / elapsed:.1f} output tok/s, {elapsed:.1f} s, "
-                  f"{achieved / peak:.1%} of roofline", flush=True)
+            print(
+                f"  {generated / elapsed:.1f} output tok/s, {elapsed:.1f} s, "
+                f"{achieved / peak:.1%} of roofline",
+                flush=True,
+            )
         base = row["systems"]
         if "kvserve_continuous" in base:
             ours = base["kvserve_continuous"]["output_tokens_per_s"]
-            row["speedup_vs"] = {s: ours / v["output_tokens_per_s"] for s, v in base.items()
-                                 if s != "kvserve_continuous"}
+            row["speedup_vs"] = {
+                s: ours / v["output_tokens_per_s"] for s, v in base.items() if s != "kvserve_continuous"
+            }
             print(f"  kvserve continuous speedup: {row['speedup_vs']}", flush=True)
         rows.append(row)
 
@@ -199,11 +218,17 @@ def main() -> None:
         "torch": torch.__version__,
         "model": str(args.model or "bundled SmolLM2-135M-Instruct"),
         "dtype": "bfloat16",
-        "workload": {"num_requests": args.num_requests, "prompt_len": args.prompt_len,
-                     "mean_output": args.mean_output, "caps": args.caps, "batch_size": args.batch_size,
-                     "ignore_eos": True, "seed": args.seed},
+        "workload": {
+            "num_requests": args.num_requests,
+            "prompt_len": args.prompt_len,
+            "mean_output": args.mean_output,
+            "caps": args.caps,
+            "batch_size": args.batch_size,
+            "ignore_eos": True,
+            "seed": args.seed,
+        },
         "notes": "hf_generate_batch drives transformers' ContinuousBatchingManager (the engine behind "
-                 "generate_batch) with each request's own max_new_tokens.",
+        "generate_batch) with each request's own max_new_tokens.",
         "gemm_bf16_flops": peak,
         "model_flops_per_token": flops_per_token,
         "results": rows,
@@ -227,7 +252,7 @@ def plot(result: dict, path: Path) -> None:
         ax.plot(caps, [r["systems"][system]["output_tokens_per_s"] for r in rows], marker="o", label=system)
     ax.set_xscale("log", base=2)
     ax.set_xticks(caps, [str(c) for c in caps])
-    ax.set_xlabel("output length cap (tokens); mean %g" % result["workload"]["mean_output"])
+    ax.set_xlabel(f"output length cap (tokens); mean {result['workload']['mean_output']:g}")
     ax.set_ylabel("output tokens / s")
     ax.set_title(f"Offline throughput, {result['model']} {result['dtype']}, {result['device']}", fontsize=9)
     ax.grid(alpha=0.3)

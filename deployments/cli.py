@@ -11,12 +11,18 @@ def main(argv: list[str] | None = None) -> int:
 
     gen = commands.add_parser("generate", help="generate text offline and stream it to the terminal")
     gen.add_argument("prompt")
-    gen.add_argument("--model", default=None, help="local HF directory or .gguf file (default: bundled SmolLM2)")
+    gen.add_argument(
+        "--model", default=None, help="local HF directory or .gguf file (default: bundled SmolLM2)"
+    )
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
-                     help="wrap the prompt in the model's chat template (default: on)")
+    gen.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="wrap the prompt in the model's chat template (default: on)",
+    )
     gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
 
     args = parser.parse_args(argv)

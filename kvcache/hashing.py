@@ -18,9 +18,7 @@ def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
     return h.digest()[:16]
 
 
-def hash_full_blocks(
-    token_ids: Sequence[int], block_size: int, parent: bytes = ROOT_HASH
-) -> list[bytes]:
+def hash_full_blocks(token_ids: Sequence[int], block_size: int, parent: bytes = ROOT_HASH) -> list[bytes]:
     """Hashes of every full block of token_ids, in order."""
     hashes = []
     for start in range(0, len(token_ids) - block_size + 1, block_size):

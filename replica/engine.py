@@ -104,16 +104,16 @@ class Engine:
         sample_rows = [i for i, s in enumerate(items) if s.samples]
         logits = self.runner.execute(
             token_ids=[
-                s.request.token_ids[s.request.num_computed_tokens : s.request.num_computed_tokens + s.num_new_tokens]
+                s.request.token_ids[
+                    s.request.num_computed_tokens : s.request.num_computed_tokens + s.num_new_tokens
+                ]
                 for s in items
             ],
             context_lens=[s.request.num_computed_tokens + s.num_new_tokens for s in items],
             block_tables=[self.kv.block_ids(s.request.request_id) for s in items],
             sample_rows=sample_rows,
         )
-        for s in items:
-            s.request.num_computed_tokens += s.num_new_tokens
-            self.kv.cache_full_blocks(s.request.request_id, s.request.token_ids, s.request.num_computed_tokens)
+        self.scheduler.advance(plan)
         if not sample_rows:
             return []
 
@@ -146,10 +146,9 @@ class Engine:
         update = detokenizer.add_token(token)
         new_text = update.new_text
 
+        hit_eos = token in request.eos_token_ids and not request.params.ignore_eos
         reason = None
-        if update.stopped or token in request.params.stop_token_ids:
-            reason = FinishReason.STOP
-        elif token in request.eos_token_ids and not request.params.ignore_eos:
+        if update.stopped or hit_eos or token in request.params.stop_token_ids:
             reason = FinishReason.STOP
         elif request.num_output_tokens >= request.max_tokens:
             reason = FinishReason.LENGTH

@@ -49,9 +49,7 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
     if path.is_dir() and (path / "config.json").is_file():
         return path
     if path.exists():
-        raise ModelNotFoundError(
-            f"{model!r} is neither a .gguf file nor a directory with config.json"
-        )
+        raise ModelNotFoundError(f"{model!r} is neither a .gguf file nor a directory with config.json")
     raise ModelNotFoundError(
         f"model {str(model)!r} not found: pass a local HF model directory or a .gguf file "
         "(kvserve never downloads weights)"
@@ -72,9 +70,7 @@ def convert_gguf(gguf: Path) -> Path:
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-        )
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         _save_dequantized(model, tmp)
         tokenizer.save_pretrained(tmp)
         try:

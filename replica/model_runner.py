@@ -95,7 +95,9 @@ class ModelRunner:
         input_ids = torch.tensor([flat], dtype=torch.long, device=self.device)
         position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)
         with forward_context(ForwardContext(self.kv_caches, meta)):
-            hidden = self.decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+            hidden = self.decoder(
+                input_ids=input_ids, position_ids=position_ids, use_cache=False
+            ).last_hidden_state
         if not sample_rows:
             return hidden.new_empty((0, self.vocab_size), dtype=torch.float32)
         ends = torch.tensor(query_lens).cumsum(0) - 1

@@ -15,7 +15,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS, a stop token or a stop string
     LENGTH = "length"  # max_tokens or the context window
     ABORT = "abort"

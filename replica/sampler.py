@@ -44,12 +44,8 @@ class SamplingBatch:
             top_k=_row_tensor([p.top_k or vocab_size for p in params], torch.long, device)
             if need_top_k
             else None,
-            top_p=_row_tensor([p.top_p for p in params], torch.float32, device)
-            if need_top_p
-            else None,
-            min_p=_row_tensor([p.min_p for p in params], torch.float32, device)
-            if need_min_p
-            else None,
+            top_p=_row_tensor([p.top_p for p in params], torch.float32, device) if need_top_p else None,
+            min_p=_row_tensor([p.min_p for p in params], torch.float32, device) if need_min_p else None,
             generators=generators,
             all_greedy=all(p.greedy for p in params),
             penalties=Penalties.from_requests(requests, vocab_size, device)
@@ -81,9 +77,7 @@ class Penalties:
         return cls(
             presence=_row_tensor([p.presence_penalty for p in params], torch.float32, device)[:, None],
             frequency=_row_tensor([p.frequency_penalty for p in params], torch.float32, device)[:, None],
-            repetition=_row_tensor([p.repetition_penalty for p in params], torch.float32, device)[
-                :, None
-            ],
+            repetition=_row_tensor([p.repetition_penalty for p in params], torch.float32, device)[:, None],
             output_counts=counts[:, :vocab_size].to(device),
             seen=seen[:, :vocab_size].to(device),
         )

@@ -68,8 +68,7 @@ class SamplingParams:
             "stop_token_ids must be non-negative integers",
         )
         check(
-            self.logprobs is None
-            or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+            self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
             f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
         )
         for name in ("presence_penalty", "frequency_penalty"):

@@ -71,8 +71,8 @@ class Scheduler:
             request = self.running[i]
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.kv.allocate(request.request_id, request.num_computed_tokens + n):
-                victim = self.running.pop()  # newest first
-                self._preempt(victim)
+                victim = self.running[-1]  # newest first
+                self.preempt(victim)
                 out.preempted.append(victim)
                 if victim is request:
                     break
@@ -87,12 +87,7 @@ class Scheduler:
             return out
         if self.static and not self.running:
             self._batch_open = True
-        while (
-            self.waiting
-            and budget > 0
-            and len(self.running) < self.max_num_seqs
-            and self._batch_open
-        ):
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and self._batch_open:
             request = self.waiting[0]
             cached = self.kv.find_cached_prefix(request.token_ids)
             num_computed = len(cached.blocks) * self.kv.block_size
@@ -122,7 +117,17 @@ class Scheduler:
         request.finish_reason = reason
         self.kv.free(request.request_id)
 
-    def _preempt(self, request: Request) -> None:
+    def advance(self, plan: SchedulerOutput) -> None:
+        """Record that the model computed KV for every scheduled token, and publish
+        blocks that became full to the prefix cache."""
+        for item in plan.scheduled:
+            request = item.request
+            request.num_computed_tokens += item.num_new_tokens
+            self.kv.cache_full_blocks(request.request_id, request.token_ids, request.num_computed_tokens)
+
+    def preempt(self, request: Request) -> None:
+        """Drop a running request's KV; it will be recomputed when readmitted."""
+        self.running.remove(request)
         self.kv.free(request.request_id)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0

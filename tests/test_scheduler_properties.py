@@ -1,0 +1,130 @@
+"""Property tests: any interleaving of add, step, abort and preempt keeps the block
+accounting consistent and ends with every block free."""
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from kvcache import KVCacheManager
+from replica.request import FinishReason, Request
+from replica.sampling_params import SamplingParams
+from replica.scheduler import Scheduler
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 12
+MAX_LEN = NUM_BLOCKS * BLOCK_SIZE
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    policy = "continuous"
+
+    def __init__(self):
+        super().__init__()
+        self.kv = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=True)
+        self.scheduler = Scheduler(self.kv, max_num_batched_tokens=10, max_num_seqs=4, policy=self.policy)
+        self.live: dict[str, Request] = {}
+        self.next_id = 0
+
+    @rule(
+        prompt=st.lists(st.integers(0, 2), min_size=1, max_size=20),  # tiny vocab: shared prefixes
+        max_tokens=st.integers(1, 12),
+    )
+    def add(self, prompt, max_tokens):
+        rid = str(self.next_id)
+        self.next_id += 1
+        max_tokens = min(max_tokens, MAX_LEN - len(prompt))
+        request = Request(rid, prompt, SamplingParams(max_tokens=max_tokens), max_tokens=max_tokens)
+        self.scheduler.add(request)
+        self.live[rid] = request
+
+    @rule(token=st.integers(0, 2))
+    def step(self, token):
+        plan = self.scheduler.schedule()
+        sampling = [s.request for s in plan.scheduled if s.samples]
+        self.scheduler.advance(plan)
+        for request in sampling:
+            request.token_ids.append(token)
+            if request.num_output_tokens >= request.max_tokens:
+                self.scheduler.finish(request, FinishReason.LENGTH)
+                del self.live[request.request_id]
+
+    @rule(data=st.data())
+    def abort(self, data):
+        if self.live:
+            rid = data.draw(st.sampled_from(sorted(self.live)))
+            self.scheduler.finish(self.live.pop(rid), FinishReason.ABORT)
+
+    @rule(data=st.data())
+    def preempt(self, data):
+        if self.scheduler.running:
+            self.scheduler.preempt(data.draw(st.sampled_from(self.scheduler.running)))
+
+    @invariant()
+    def blocks_are_accounted_for(self):
+        holders: dict[int, int] = {}
+        for request in self.live.values():
+            for block_id in self.kv.block_ids(request.request_id):
+                holders[block_id] = holders.get(block_id, 0) + 1
+        for block in self.kv.pool.blocks:
+            assert block.ref_count == holders.get(block.block_id, 0)
+        assert self.kv.num_free_blocks == sum(1 for b in self.kv.pool.blocks if b.ref_count == 0)
+        for request in self.scheduler.waiting:
+            assert self.kv.block_ids(request.request_id) == []
+        for request in self.scheduler.running:
+            held = len(self.kv.block_ids(request.request_id))
+            assert held * BLOCK_SIZE >= request.num_computed_tokens
+        for block_hash, block_id in self.kv.pool._cached.items():
+            assert self.kv.pool.blocks[block_id].block_hash == block_hash
+
+    @invariant()
+    def queues_are_disjoint_and_bounded(self):
+        running = {r.request_id for r in self.scheduler.running}
+        waiting = {r.request_id for r in self.scheduler.waiting}
+        assert not running & waiting
+        assert running | waiting == set(self.live)
+        assert len(running) <= 4
+
+    def teardown(self):
+        for request in list(self.live.values()):
+            self.scheduler.finish(request, FinishReason.ABORT)
+        assert self.kv.num_free_blocks == NUM_BLOCKS
+        assert all(b.ref_count == 0 for b in self.kv.pool.blocks)
+        assert not self.scheduler.has_unfinished()
+
+
+class StaticSchedulerMachine(SchedulerMachine):
+    policy = "static"
+
+
+_settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+SchedulerMachine.TestCase.settings = _settings
+StaticSchedulerMachine.TestCase.settings = _settings
+TestContinuousScheduler = SchedulerMachine.TestCase
+TestStaticScheduler = StaticSchedulerMachine.TestCase
+
+
+def test_all_requests_finish_under_memory_pressure():
+    """Progress: with preemption, every request eventually finishes even when they cannot all fit."""
+    for policy in ("continuous", "static"):
+        kv = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE)
+        scheduler = Scheduler(kv, max_num_batched_tokens=16, max_num_seqs=8, policy=policy)
+        requests = [
+            Request(str(i), [i % 3] * 10 + [i], SamplingParams(max_tokens=20), max_tokens=20)
+            for i in range(8)
+        ]
+        for r in requests:
+            scheduler.add(r)
+        for _ in range(2000):
+            if not scheduler.has_unfinished():
+                break
+            plan = scheduler.schedule()
+            sampling = [s.request for s in plan.scheduled if s.samples]
+            scheduler.advance(plan)
+            for r in sampling:
+                r.token_ids.append(1)
+                if r.num_output_tokens >= r.max_tokens:
+                    scheduler.finish(r, FinishReason.LENGTH)
+        assert all(r.num_output_tokens == 20 for r in requests), policy
+        assert kv.num_free_blocks == NUM_BLOCKS
+        if policy == "continuous":
+            assert scheduler.num_preemptions > 0
