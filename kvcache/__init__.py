@@ -2,7 +2,7 @@
 
 from kvcache.block_pool import Block, BlockPool, NoFreeBlocksError
 from kvcache.hashing import hash_block, hash_full_blocks
-from kvcache.kv_manager import CachedPrefix, KVCacheManager, KVStats, cdiv
+from kvcache.kv_manager import CachedPrefix, KVCacheManager, KVStats
 
 __all__ = [
     "Block",
@@ -11,7 +11,6 @@ __all__ = [
     "KVCacheManager",
     "KVStats",
     "NoFreeBlocksError",
-    "cdiv",
     "hash_block",
     "hash_full_blocks",
 ]

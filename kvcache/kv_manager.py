@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvcache.block_pool import Block, BlockPool
-from kvcache.hashing import ROOT_HASH, hash_block
+from kvcache.hashing import ROOT_HASH, hash_block, hash_full_blocks
 
 
 @dataclass
@@ -70,16 +70,14 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return CachedPrefix([], 0)
+        hashes = hash_full_blocks(token_ids[: len(token_ids) - 1], self.block_size)
         hits: list[Block] = []
-        parent = ROOT_HASH
-        usable = len(token_ids) - 1
-        for start in range(0, usable - self.block_size + 1, self.block_size):
-            parent = hash_block(parent, token_ids[start : start + self.block_size])
-            block = self.pool.lookup(parent)
+        for block_hash in hashes:
+            block = self.pool.lookup(block_hash)
             if block is None:
                 break
             hits.append(block)
-        return CachedPrefix(hits, max(0, usable // self.block_size))
+        return CachedPrefix(hits, len(hashes))
 
     def allocate(self, request_id: str, num_tokens: int, cached: CachedPrefix | None = None) -> bool:
         """Make the request hold enough blocks for num_tokens tokens in total.

@@ -103,13 +103,8 @@ class Engine:
         items = sorted(plan.scheduled, key=lambda s: s.num_new_tokens != 1)
         sample_rows = [i for i, s in enumerate(items) if s.samples]
         logits = self.runner.execute(
-            token_ids=[
-                s.request.token_ids[
-                    s.request.num_computed_tokens : s.request.num_computed_tokens + s.num_new_tokens
-                ]
-                for s in items
-            ],
-            context_lens=[s.request.num_computed_tokens + s.num_new_tokens for s in items],
+            token_ids=[s.new_token_ids for s in items],
+            context_lens=[s.context_len for s in items],
             block_tables=[self.kv.block_ids(s.request.request_id) for s in items],
             sample_rows=sample_rows,
         )
@@ -124,7 +119,7 @@ class Engine:
             logits.shape[-1],
             logits.device,
         )
-        sampled = sample(logits, batch, [r.params.logprobs for r in requests])
+        sampled = sample(logits, batch)
         return [
             self._append_token(r, token, logprob)
             for r, token, logprob in zip(requests, sampled.token_ids, sampled.logprobs, strict=True)

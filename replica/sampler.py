@@ -24,7 +24,11 @@ class SamplingBatch:
     generators: list[torch.Generator | None]
     all_greedy: bool
     penalties: "Penalties | None"
-    max_logprobs: int  # -1: no row wants logprobs
+    logprobs: list[int | None]  # top-n alternatives each row wants, None for no logprobs
+
+    @property
+    def max_logprobs(self) -> int:
+        return max((n for n in self.logprobs if n is not None), default=-1)
 
     @classmethod
     def from_requests(
@@ -51,7 +55,7 @@ class SamplingBatch:
             penalties=Penalties.from_requests(requests, vocab_size, device)
             if any(p.has_penalties for p in params)
             else None,
-            max_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1),
+            logprobs=[p.logprobs for p in params],
         )
 
 
@@ -96,7 +100,7 @@ class SamplerOutput:
     logprobs: list[TokenLogprob | None]
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch, wants_logprobs: list[int | None]) -> SamplerOutput:
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     logits = logits.float()
     raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs >= 0 else None
     if batch.penalties is not None:
@@ -118,7 +122,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, wants_logprobs: list[int 
         chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0].tolist()
         top_values, top_ids = raw_logprobs.topk(max(batch.max_logprobs, 1), dim=-1)
         top_values, top_ids = top_values.tolist(), top_ids.tolist()
-        for row, n in enumerate(wants_logprobs):
+        for row, n in enumerate(batch.logprobs):
             if n is None:
                 continue
             top = dict(zip(top_ids[row][:n], top_values[row][:n], strict=True))

@@ -23,10 +23,18 @@ class ScheduledRequest:
     num_new_tokens: int
 
     @property
+    def context_len(self) -> int:
+        """Tokens with KV once this step has run."""
+        return self.request.num_computed_tokens + self.num_new_tokens
+
+    @property
+    def new_token_ids(self) -> list[int]:
+        return self.request.token_ids[self.request.num_computed_tokens : self.context_len]
+
+    @property
     def samples(self) -> bool:
         """Whether this step completes the request's input, so a token is sampled."""
-        r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+        return self.context_len == self.request.num_tokens
 
 
 @dataclass

@@ -27,21 +27,21 @@ def _logits(rows: int, seed: int = 0):
 def test_greedy_is_argmax():
     logits = _logits(4)
     batch, _ = _batch([SamplingParams(temperature=0)] * 4)
-    assert sample(logits, batch, [None] * 4).token_ids == logits.argmax(-1).tolist()
+    assert sample(logits, batch).token_ids == logits.argmax(-1).tolist()
 
 
 def test_top_k_1_and_tiny_top_p_are_greedy():
     logits = _logits(4, seed=1)
     params = [SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=1.0, top_p=1e-6)] * 2
     batch, _ = _batch(params)
-    assert sample(logits, batch, [None] * 4).token_ids == logits.argmax(-1).tolist()
+    assert sample(logits, batch).token_ids == logits.argmax(-1).tolist()
 
 
 def test_top_k_restricts_support():
     logits = _logits(1, seed=2).repeat(200, 1)
     batch, _ = _batch([SamplingParams(temperature=5.0, top_k=3)] * 200)
     allowed = set(logits[0].topk(3).indices.tolist())
-    tokens = set(sample(logits, batch, [None] * 200).token_ids)
+    tokens = set(sample(logits, batch).token_ids)
     assert tokens <= allowed and len(tokens) > 1
 
 
@@ -51,18 +51,18 @@ def test_min_p_restricts_support():
     logits[:, 8] = 4.5  # p ~ 0.38, kept by min_p=0.3 relative to the top token
     logits[:, 9] = 2.0  # p ~ 0.03 of the top: dropped
     batch, _ = _batch([SamplingParams(temperature=1.0, min_p=0.3)] * 300)
-    assert set(sample(logits, batch, [None] * 300).token_ids) == {7, 8}
+    assert set(sample(logits, batch).token_ids) == {7, 8}
 
 
 def test_seeded_rows_are_reproducible_whatever_the_batch():
     logits = _logits(1, seed=3)
     p = SamplingParams(temperature=1.0, seed=123)
     alone, _ = _batch([p], seeds={0: 123})
-    first = [sample(logits, alone, [None]).token_ids[0] for _ in range(5)]
+    first = [sample(logits, alone).token_ids[0] for _ in range(5)]
     again, _ = _batch([p], seeds={0: 123})
-    second = [sample(logits, again, [None]).token_ids[0] for _ in range(5)]
+    second = [sample(logits, again).token_ids[0] for _ in range(5)]
     mixed, _ = _batch([SamplingParams(temperature=1.0), p], seeds={1: 123})
-    third = [sample(logits.repeat(2, 1), mixed, [None, None]).token_ids[1] for _ in range(5)]
+    third = [sample(logits.repeat(2, 1), mixed).token_ids[1] for _ in range(5)]
     assert first == second == third
 
 
@@ -70,7 +70,7 @@ def test_sampling_follows_the_distribution():
     probs = torch.tensor([0.6, 0.3, 0.1] + [0.0] * (V - 3))
     logits = probs.clamp_min(1e-30).log().repeat(4000, 1)
     batch, _ = _batch([SamplingParams(temperature=1.0)] * 4000)
-    tokens = torch.tensor(sample(logits, batch, [None] * 4000).token_ids)
+    tokens = torch.tensor(sample(logits, batch).token_ids)
     freq = torch.bincount(tokens, minlength=V)[:3].float() / 4000
     assert torch.allclose(freq, probs[:3], atol=0.03)
 
@@ -85,15 +85,15 @@ def test_penalties_discourage_repeats():
         SamplingParams(temperature=0, presence_penalty=0.5),
     ]
     batch, _ = _batch(params, outputs={0: [5], 1: [5, 5], 2: [5]})
-    assert sample(logits, batch, [None] * 3).token_ids == [6, 6, 6]
+    assert sample(logits, batch).token_ids == [6, 6, 6]
     batch, _ = _batch([SamplingParams(temperature=0, frequency_penalty=0.01)], outputs={0: [5, 5]})
-    assert sample(logits[:1], batch, [None]).token_ids == [5]  # 1.0 - 0.02 > 0.9
+    assert sample(logits[:1], batch).token_ids == [5]  # 1.0 - 0.02 > 0.9
 
 
 def test_logprobs_are_raw_log_softmax():
     logits = _logits(2, seed=4)
     batch, _ = _batch([SamplingParams(temperature=0, logprobs=3), SamplingParams(temperature=0)])
-    out = sample(logits, batch, [3, None])
+    out = sample(logits, batch)
     reference = torch.log_softmax(logits[0], -1)
     lp = out.logprobs[0]
     assert lp.token_id == out.token_ids[0]
