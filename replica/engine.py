@@ -2,7 +2,6 @@
 detokenizer. `step()` runs one iteration of continuous batching."""
 
 import itertools
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -18,8 +17,6 @@ from replica.request import FinishReason, Request, TokenLogprob
 from replica.sampler import SamplingBatch, sample
 from replica.sampling_params import SamplingParams
 from replica.scheduler import Scheduler
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass

@@ -1,18 +1,19 @@
 """Device work for one step: load the model, own the paged KV cache, pack the scheduled
 tokens into one 1 x T forward, and return logits only for the rows that sample."""
 
-import logging
-
 import torch
 from transformers import AutoModelForCausalLM
 from transformers.utils import logging as transformers_logging
 
-from replica.attention import ForwardContext, build_metadata, forward_context, register_backend
-from replica.attention.torch_backend import kv_cache_shape
+from replica.attention import (
+    ForwardContext,
+    build_metadata,
+    forward_context,
+    kv_cache_shape,
+    register_backend,
+)
 from replica.config import EngineConfig
 from replica.model_loader import ModelNotFoundError
-
-logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -29,7 +30,6 @@ def resolve_dtype(dtype: str) -> torch.dtype:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_path):
-        self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype)
         self.block_size = config.block_size

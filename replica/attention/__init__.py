@@ -8,7 +8,7 @@ from transformers import AttentionInterface
 
 from replica.attention.context import ForwardContext, forward_context
 from replica.attention.metadata import AttentionMetadata, build_metadata
-from replica.attention.torch_backend import torch_paged_attention
+from replica.attention.torch_backend import kv_cache_shape, torch_paged_attention
 
 BACKENDS = {"torch": torch_paged_attention}
 
@@ -27,5 +27,6 @@ __all__ = [
     "ForwardContext",
     "build_metadata",
     "forward_context",
+    "kv_cache_shape",
     "register_backend",
 ]
