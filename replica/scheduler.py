@@ -78,18 +78,11 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv.allocate(request.request_id, request.num_computed_tokens + n):
-                victim = self.running[-1]  # newest first
-                self.preempt(victim)
-                out.preempted.append(victim)
-                if victim is request:
-                    break
-            else:
-                out.scheduled.append(ScheduledRequest(request, n))
-                budget -= n
-                i += 1
-                continue
-            break  # the request itself was preempted: nothing newer remains
+            if not self._make_room(request, n, out):
+                break  # the request itself was preempted: nothing newer remains
+            out.scheduled.append(ScheduledRequest(request, n))
+            budget -= n
+            i += 1
 
         if out.preempted:
             return out
@@ -124,6 +117,17 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self.kv.free(request.request_id)
+
+    def _make_room(self, request: Request, n: int, out: SchedulerOutput) -> bool:
+        """Preempt the newest running requests until `request` can hold n more tokens.
+        Returns False if `request` itself had to go."""
+        while not self.kv.allocate(request.request_id, request.num_computed_tokens + n):
+            victim = self.running[-1]
+            self.preempt(victim)
+            out.preempted.append(victim)
+            if victim is request:
+                return False
+        return True
 
     def advance(self, plan: SchedulerOutput) -> None:
         """Record that the model computed KV for every scheduled token, and publish
