@@ -37,6 +37,18 @@ def llm_fp32(model_path):
     return LLM(str(model_path), dtype="float32")
 
 
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray for the whole test session (2 CPUs, no dashboard)."""
+    ray = pytest.importorskip("ray")
+    from ray import serve
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    serve.shutdown()
+    ray.shutdown()
+
+
 def hf_greedy(model, token_ids: list[int], max_new_tokens: int, eos_ids: set[int]) -> list[int]:
     """The oracle: HF generate, batch 1 (no padding), greedy, fp32; output cut after EOS."""
     with torch.no_grad():

@@ -1,0 +1,133 @@
+"""The Ray Serve deployment that owns one engine and streams its outputs.
+
+The engine is synchronous and not thread-safe, so every call into it (add, abort,
+step) runs on one dedicated thread; the replica's event loop only awaits that thread
+and hands each step's outputs to the per-request queues. A stream that the caller
+drops (disconnect, cancel, timeout) aborts its engine request, so its KV blocks are
+free again after the current step.
+"""
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+
+from ray import serve
+
+from replica.config import EngineConfig
+from replica.engine import Engine
+from replica.outputs import RequestOutput
+from replica.sampling_params import SamplingParams
+
+logger = logging.getLogger("ray.serve")
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
+class LLMServer:
+    def __init__(self, engine_args: dict | None = None):
+        self.engine = Engine(EngineConfig.from_kwargs(**(engine_args or {})))
+        self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-engine")
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._wakeup: asyncio.Event | None = None
+        self._loop_task: asyncio.Task | None = None
+
+    async def generate(
+        self, prompt: str | list[int], params: dict | None = None, request_id: str | None = None
+    ) -> AsyncIterator[dict]:
+        """Stream one request's deltas: dicts with text, token_ids, finish_reason, ...
+
+        Bad prompts or sampling values raise ValueError before anything is streamed."""
+        sampling = SamplingParams(**(params or {}))
+        request_id = request_id or uuid.uuid4().hex
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = queue
+        finished = False
+        try:
+            await self._call_engine(self.engine.add_request, prompt, sampling, request_id)
+            self._start_loop()
+            self._wakeup.set()
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield _delta(item)
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                # Not awaited: this also runs while the caller's task is being cancelled.
+                self._engine_thread.submit(self.engine.abort, request_id)
+
+    def stats(self) -> dict:
+        s = self.engine.stats()
+        return {
+            "num_free_blocks": s.kv.num_free_blocks,
+            "num_total_blocks": s.kv.num_total_blocks,
+            "kv_cache_usage": s.kv.usage,
+            "prefix_cache_queries": s.kv.prefix_cache_queries,
+            "prefix_cache_hits": s.kv.prefix_cache_hits,
+            "num_running": s.num_running,
+            "num_waiting": s.num_waiting,
+            "num_preemptions": s.num_preemptions,
+        }
+
+    def record_routing_stats(self) -> dict:
+        """Polled by Serve and handed to request routers with each replica."""
+        stats = self.stats()
+        keys = ("num_free_blocks", "num_total_blocks", "num_running", "num_waiting")
+        return {k: stats[k] for k in keys}
+
+    def check_health(self) -> None:
+        if self._loop_task is not None and self._loop_task.done():
+            raise RuntimeError(f"engine loop stopped: {self._loop_task.exception()!r}")
+
+    async def _call_engine(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._engine_thread, fn, *args)
+
+    def _start_loop(self) -> None:
+        if self._loop_task is None:
+            self._wakeup = asyncio.Event()
+            self._loop_task = asyncio.get_running_loop().create_task(self._engine_loop())
+
+    async def _engine_loop(self) -> None:
+        while True:
+            # Cleared before stepping, so a request added during the step is not missed.
+            self._wakeup.clear()
+            try:
+                outputs, busy = await self._call_engine(self._step)
+            except Exception as e:  # a failed step fails its requests, not the replica
+                logger.exception("engine step failed")
+                for request_id, queue in list(self._streams.items()):
+                    queue.put_nowait(RuntimeError(f"engine step failed: {e}"))
+                    self._engine_thread.submit(self.engine.abort, request_id)
+                continue
+            for out in outputs:
+                queue = self._streams.get(out.request_id)
+                if queue is not None:
+                    queue.put_nowait(out)
+            if not busy:
+                await self._wakeup.wait()
+
+    def _step(self) -> tuple[list[RequestOutput], bool]:
+        outputs = self.engine.step() if self.engine.has_unfinished() else []
+        return outputs, self.engine.has_unfinished()
+
+
+def _delta(out: RequestOutput) -> dict:
+    completion = out.outputs[0]
+    new_logprobs = None
+    if completion.logprobs is not None:
+        new_logprobs = [asdict(lp) for lp in completion.logprobs[-len(out.new_token_ids) :]]
+    return {
+        "request_id": out.request_id,
+        "text": out.new_text,
+        "token_ids": out.new_token_ids,
+        "logprobs": new_logprobs,
+        "finished": out.finished,
+        "finish_reason": completion.finish_reason,
+        "num_prompt_tokens": len(out.prompt_token_ids),
+        "num_output_tokens": len(completion.token_ids),
+        "num_cached_tokens": out.num_cached_tokens,
+    }

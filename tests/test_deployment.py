@@ -1,0 +1,81 @@
+"""The replica deployment on a real local Ray and Serve, called through a DeploymentHandle."""
+
+import asyncio
+
+import pytest
+from ray import serve
+
+from replica import SamplingParams
+from replica.deployment import LLMServer
+
+ENGINE_ARGS = {"dtype": "float32", "kv_cache_memory_gb": 0.25}
+
+
+@pytest.fixture(scope="module")
+def handle(ray_cluster, model_path):
+    app = LLMServer.options(name="llm").bind({**ENGINE_ARGS, "model": str(model_path)})
+    yield serve.run(app, name="deployment-test", route_prefix=None)
+    serve.delete("deployment-test")
+
+
+async def _collect(handle, prompt, params, limit=None):
+    """Read a stream; with `limit`, drop it after that many chunks the way a
+    disconnecting client does (the caller cancels its response)."""
+    chunks = []
+    stream = handle.options(stream=True).generate.remote(prompt, params)
+    async for chunk in stream:
+        chunks.append(chunk)
+        if limit is not None and len(chunks) >= limit:
+            stream.cancel()
+            break
+    return chunks
+
+
+def test_stream_matches_offline_greedy(handle, llm_fp32):
+    params = {"max_tokens": 16, "temperature": 0}
+    chunks = asyncio.run(_collect(handle, "The capital of France is", params))
+    (expected,) = llm_fp32.generate("The capital of France is", SamplingParams(**params), use_tqdm=False)
+    assert [t for c in chunks for t in c["token_ids"]] == expected.token_ids
+    assert "".join(c["text"] for c in chunks) == expected.text
+    assert chunks[-1]["finished"] and chunks[-1]["finish_reason"] == expected.finish_reason
+    assert all(not c["finished"] for c in chunks[:-1])
+
+
+def test_concurrent_streams(handle):
+    async def run_all():
+        prompts = [f"Count to {n}:" for n in range(8)]
+        return await asyncio.gather(
+            *[_collect(handle, p, {"max_tokens": 8, "temperature": 0}) for p in prompts]
+        )
+
+    results = asyncio.run(run_all())
+    assert all(sum(len(c["token_ids"]) for c in chunks) <= 8 and chunks[-1]["finished"] for chunks in results)
+
+
+def test_dropped_stream_frees_blocks(handle):
+    total = handle.stats.remote().result()["num_total_blocks"]
+    params = {"max_tokens": 500, "temperature": 0, "ignore_eos": True}
+    chunks = asyncio.run(_collect(handle, "Tell me a very long story.", params, limit=3))
+    assert len(chunks) == 3 and not chunks[-1]["finished"]
+    for _ in range(100):  # the abort lands within a step of the drop
+        stats = handle.stats.remote().result()
+        if stats["num_free_blocks"] == total and stats["num_running"] == 0:
+            break
+        asyncio.run(asyncio.sleep(0.1))
+    assert stats["num_free_blocks"] == total
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+
+
+def test_bad_params_raise_without_killing_the_replica(handle):
+    with pytest.raises(Exception, match="temperature"):
+        asyncio.run(_collect(handle, "hi", {"temperature": -1}))
+    with pytest.raises(Exception, match="empty"):
+        asyncio.run(_collect(handle, "", {"max_tokens": 2}))
+    chunks = asyncio.run(_collect(handle, "hi", {"max_tokens": 2, "temperature": 0}))
+    assert chunks[-1]["finished"]
+    assert set(handle.record_routing_stats.remote().result()) == {
+        "num_free_blocks",
+        "num_total_blocks",
+        "num_running",
+        "num_waiting",
+    }
