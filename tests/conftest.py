@@ -37,13 +37,18 @@ def llm_fp32(model_path):
     return LLM(str(model_path), dtype="float32")
 
 
+SERVE_HTTP_PORT = 18431
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """One local Ray for the whole test session (2 CPUs, no dashboard)."""
+    """One local Ray and Serve for the whole test session (2 CPUs, no dashboard);
+    Serve's HTTP proxy listens on 127.0.0.1:SERVE_HTTP_PORT."""
     ray = pytest.importorskip("ray")
     from ray import serve
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": SERVE_HTTP_PORT})
     yield ray
     serve.shutdown()
     ray.shutdown()

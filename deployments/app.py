@@ -1,0 +1,34 @@
+"""Serve application builder: one pydantic config in, one Serve application out."""
+
+from pydantic import BaseModel, ConfigDict, Field
+from ray.serve import Application
+
+from replica.deployment import LLMServer
+from replica.model_loader import BUNDLED_NAME
+from router.http import OpenAIIngress
+
+
+class AppConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
+    served_model_name: str | None = None  # the `model` clients send; default: the directory name
+    replicas: int = Field(default=1, ge=1)
+    engine_args: dict = Field(default_factory=dict)  # EngineConfig fields, e.g. block_size
+    num_cpus_per_replica: float = Field(default=0, ge=0)
+    num_gpus_per_replica: float = Field(default=0, ge=0)
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        return BUNDLED_NAME if self.model is None else self.model.rstrip("/").rsplit("/", 1)[-1]
+
+
+def build_app(config: AppConfig | dict) -> Application:
+    config = AppConfig.model_validate(config)
+    llm = LLMServer.options(
+        num_replicas=config.replicas,
+        ray_actor_options={"num_cpus": config.num_cpus_per_replica, "num_gpus": config.num_gpus_per_replica},
+    ).bind({**config.engine_args, "model": config.model})
+    return OpenAIIngress.bind(llm, config.model_name, config.model)

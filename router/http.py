@@ -1,0 +1,224 @@
+"""The OpenAI-compatible HTTP ingress: validate, apply the chat template, tokenize, and
+stream the replica's deltas back as JSON or server-sent events."""
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+from transformers import AutoTokenizer
+
+from replica.model_loader import resolve_model
+from router.protocol import ChatCompletionRequest, CompletionRequest
+
+app = FastAPI(title="kvserve")
+
+
+class APIError(Exception):
+    def __init__(
+        self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"
+    ):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+
+def error_response(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    return JSONResponse(body, status_code=status)
+
+
+@app.exception_handler(APIError)
+async def _api_error(request: Request, e: APIError):
+    return error_response(e.status, e.message, e.param, e.kind)
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, e: RequestValidationError):
+    # OpenAI answers 400 (not FastAPI's 422) for malformed bodies and bad values.
+    first = e.errors()[0] if e.errors() else {}
+    where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+    return error_response(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}", where)
+
+
+async def _sse(formatter: "_Formatter", first: dict, stream, include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events; closing early (client gone) cancels the replica stream."""
+    try:
+        if formatter.chat:
+            yield _event(formatter.chunk({"role": "assistant", "content": ""}, None, None))
+        last = first
+        async for chunk in _prepend(first, stream):
+            last = chunk
+            yield _event(formatter.delta(chunk))
+        if include_usage:
+            yield _event({**formatter.chunk(None, None, None), "choices": [], "usage": _usage(last)})
+        yield "data: [DONE]\n\n"
+    finally:
+        stream.cancel()
+
+
+async def _prepend(first: dict, stream) -> AsyncIterator[dict]:
+    yield first
+    async for chunk in stream:
+        yield chunk
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def _usage(last: dict) -> dict:
+    prompt, completion = last["num_prompt_tokens"], last["num_output_tokens"]
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _as_api_error(e: Exception) -> APIError:
+    cause = getattr(e, "cause", None) or e
+    if isinstance(cause, ValueError) or isinstance(e, ValueError):
+        message = str(cause).strip().splitlines()[-1] if str(cause).strip() else "invalid request"
+        return APIError(400, message)
+    return APIError(503, f"replica unavailable: {type(e).__name__}", kind="server_error")
+
+
+class _Formatter:
+    """Turns replica deltas into OpenAI completion / chat objects."""
+
+    def __init__(self, response_id: str, model: str, chat: bool, tokenizer):
+        self.id, self.model, self.chat, self.tokenizer = response_id, model, chat, tokenizer
+        self.created = int(time.time())
+
+    def chunk(self, delta, finish_reason, logprobs) -> dict:
+        choice = {"index": 0, "finish_reason": finish_reason, "logprobs": logprobs}
+        if self.chat:
+            choice["delta"] = delta or {}
+        else:
+            choice["text"] = delta or ""
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
+
+    def delta(self, chunk: dict) -> dict:
+        content = {"content": chunk["text"]} if self.chat else chunk["text"]
+        return self.chunk(
+            content, chunk["finish_reason"], self._logprobs(chunk["logprobs"], chunk["token_ids"])
+        )
+
+    def whole(self, chunks: list[dict]) -> dict:
+        text = "".join(c["text"] for c in chunks)
+        token_ids = [t for c in chunks for t in c["token_ids"]]
+        entries = [lp for c in chunks for lp in (c["logprobs"] or [])]
+        logprobs = self._logprobs(entries, token_ids) if chunks[0]["logprobs"] is not None else None
+        choice = {"index": 0, "finish_reason": chunks[-1]["finish_reason"], "logprobs": logprobs}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return {
+            "id": self.id,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": _usage(chunks[-1]),
+        }
+
+    def _logprobs(self, entries: list[dict] | None, token_ids: list[int]) -> dict | None:
+        if entries is None:
+            return None
+        tok = self.tokenizer.convert_ids_to_tokens
+        if self.chat:
+            content = [
+                {
+                    "token": tok(e["token_id"]),
+                    "logprob": e["logprob"],
+                    "bytes": None,
+                    "top_logprobs": [
+                        {"token": tok(t), "logprob": v, "bytes": None} for t, v in e["top_logprobs"].items()
+                    ],
+                }
+                for e in entries
+            ]
+            return {"content": content}
+        return {
+            "tokens": [tok(e["token_id"]) for e in entries],
+            "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{tok(t): v for t, v in e["top_logprobs"].items()} for e in entries],
+            "text_offset": None,
+        }
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)
+@serve.ingress(app)
+class OpenAIIngress:
+    def __init__(self, llm: DeploymentHandle, model_name: str, model: str | None = None):
+        self.llm = llm
+        self.model_name = model_name
+        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(model))
+
+    @app.get("/health")
+    async def health(self) -> dict:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models(self) -> dict:
+        card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "kvserve"}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(self, body: CompletionRequest):
+        self._check_model(body.model)
+        params = body.sampling_params(body.max_tokens, body.logprobs)
+        return await self._respond(body, body.prompt, params, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, body: ChatCompletionRequest):
+        self._check_model(body.model)
+        if self.tokenizer.chat_template is None:
+            raise APIError(400, "this model has no chat template; use /v1/completions")
+        messages = [m.model_dump() for m in body.messages]
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompt = self.tokenizer(text, add_special_tokens=False).input_ids
+        params = body.sampling_params(body.max_completion_tokens or body.max_tokens, body.num_logprobs)
+        return await self._respond(body, prompt, params, chat=True)
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise APIError(
+                404,
+                f"model {model!r} does not exist; this server serves {self.model_name!r}",
+                "model",
+                "not_found_error",
+            )
+
+    async def _respond(self, body, prompt, params: dict, chat: bool):
+        stream = self.llm.options(stream=True).generate.remote(prompt, params)
+        try:
+            first = await stream.__anext__()  # surfaces validation errors before any byte is sent
+        except StopAsyncIteration:
+            raise APIError(500, "the replica returned no output", kind="server_error") from None
+        except Exception as e:
+            stream.cancel()
+            raise _as_api_error(e) from e
+        response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        formatter = _Formatter(response_id, self.model_name, chat, self.tokenizer)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(
+                _sse(formatter, first, stream, include_usage), media_type="text/event-stream"
+            )
+        chunks = [first]
+        try:
+            async for chunk in stream:
+                chunks.append(chunk)
+        finally:
+            stream.cancel()
+        return formatter.whole(chunks)

@@ -1,0 +1,165 @@
+"""The OpenAI-compatible endpoint on a real local Serve app, called with the official client."""
+
+import time
+
+import httpx
+import openai
+import pytest
+from conftest import SERVE_HTTP_PORT
+from ray import serve
+
+from deployments.app import build_app
+from replica import SamplingParams
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def base_url(ray_cluster, model_path):
+    app = build_app(
+        {
+            "model": str(model_path),
+            "served_model_name": MODEL,
+            "engine_args": {"dtype": "float32", "kv_cache_memory_gb": 0.25},
+        }
+    )
+    serve.run(app, name="http-test", route_prefix="/")
+    yield f"http://127.0.0.1:{SERVE_HTTP_PORT}"
+    serve.delete("http-test")
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+
+
+def test_models_and_health(client, base_url):
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert httpx.get(f"{base_url}/health").json() == {"status": "ok"}
+
+
+def test_completion_matches_offline_greedy(client, llm_fp32):
+    out = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=12, temperature=0
+    )
+    (expected,) = llm_fp32.generate(
+        "The capital of France is", SamplingParams(max_tokens=12, temperature=0), use_tqdm=False
+    )
+    assert out.choices[0].text == expected.text
+    assert out.choices[0].finish_reason == expected.finish_reason
+    assert out.usage.completion_tokens == len(expected.token_ids)
+    assert out.usage.prompt_tokens == len(expected.prompt_token_ids)
+
+
+def test_chat_and_streaming_agree(client):
+    messages = [{"role": "user", "content": "Name a colour."}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0)
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=20,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    pieces, finish, usage = [], None, None
+    for event in stream:
+        if event.usage:
+            usage = event.usage
+        for choice in event.choices:
+            pieces.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert "".join(pieces) == whole.choices[0].message.content
+    assert finish == whole.choices[0].finish_reason
+    assert usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_stop_max_tokens_seed_logprobs(client):
+    out = client.completions.create(
+        model=MODEL, prompt="Count: 1, 2, 3,", max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 5
+    greedy = client.completions.create(model=MODEL, prompt="Count: 1, 2, 3,", max_tokens=20, temperature=0)
+    stop = greedy.choices[0].text[6:9]
+    stopped = client.completions.create(
+        model=MODEL, prompt="Count: 1, 2, 3,", max_tokens=20, temperature=0, stop=[stop]
+    )
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].text == greedy.choices[0].text[: greedy.choices[0].text.index(stop)]
+    seeded = [
+        client.completions.create(
+            model=MODEL,
+            prompt="Once upon",
+            max_tokens=10,
+            temperature=1.0,
+            seed=3,
+            extra_body={"ignore_eos": True},
+        )
+        .choices[0]
+        .text
+        for _ in range(2)
+    ]
+    assert seeded[0] == seeded[1]
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    entries = chat.choices[0].logprobs.content
+    assert len(entries) == chat.usage.completion_tokens
+    assert all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in entries)
+
+
+@pytest.mark.parametrize(
+    "path, body, status",
+    [
+        ("/v1/completions", b"{not json", 400),
+        ("/v1/completions", {"model": "nope", "prompt": "hi"}, 404),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": -1}, 400),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "many"}, 400),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2}, 400),
+        ("/v1/completions", {"model": MODEL, "prompt": ""}, 400),
+        ("/v1/completions", {"model": MODEL, "prompt": "word " * 9000}, 400),
+        ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400),
+    ],
+)
+def test_bad_requests_get_openai_errors(base_url, path, body, status):
+    if isinstance(body, bytes):
+        r = httpx.post(
+            base_url + path, content=body, headers={"content-type": "application/json"}, timeout=60
+        )
+    else:
+        r = httpx.post(base_url + path, json=body, timeout=60)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["message"] and error["type"]
+
+
+def test_dropped_http_stream_frees_blocks(base_url):
+    llm = serve.get_deployment_handle("LLMServer", app_name="http-test")
+    total = llm.stats.remote().result()["num_total_blocks"]
+    body = {
+        "model": MODEL,
+        "prompt": "Tell me a long story.",
+        "max_tokens": 400,
+        "stream": True,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=60) as r:
+        events = 0
+        for line in r.iter_lines():
+            events += line.startswith("data: ")
+            if events >= 3:
+                break  # leaving the block closes the connection mid-stream
+    stats = None
+    for _ in range(100):
+        stats = llm.stats.remote().result()
+        if stats["num_running"] == 0 and stats["num_free_blocks"] == total:
+            break
+        time.sleep(0.1)
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+    assert stats["num_free_blocks"] == total
