@@ -1,13 +1,16 @@
-# The two commands README.md promises: `make run` and `make test`.
+# The two commands README.md promises: `make run` (serve on a local Ray) and `make test`.
 VENV ?= .venv
 PROMPT ?= Write a haiku about paged memory.
 
-.PHONY: setup run test lint bench
+.PHONY: setup run generate test lint bench
 
 setup:
 	./scripts/setup.sh
 
 run: setup
+	$(VENV)/bin/kvserve serve
+
+generate: setup
 	$(VENV)/bin/kvserve generate "$(PROMPT)" --max-tokens 64
 
 test: setup

@@ -1,8 +1,11 @@
 """The `kvserve` command line."""
 
 import argparse
+import json
 import os
+import signal
 import sys
+import threading
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,8 +28,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
 
+    srv = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API on a local Ray")
+    srv.add_argument(
+        "--model", default=None, help="local HF directory or .gguf file (default: bundled SmolLM2)"
+    )
+    srv.add_argument("--served-model-name", default=None, help="the model name clients send")
+    srv.add_argument("--replicas", type=int, default=1)
+    srv.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1, local only)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    srv.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
+
     args = parser.parse_args(argv)
-    return _generate(args)
+    return _serve(args) if args.command == "serve" else _generate(args)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -56,6 +70,43 @@ def _generate(args: argparse.Namespace) -> int:
             if out.finished:
                 sys.stdout.write("\n")
                 print(f"[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import ray
+    from ray import serve
+
+    from deployments.app import AppConfig, build_app
+
+    try:
+        config = AppConfig(
+            model=args.model,
+            served_model_name=args.served_model_name,
+            replicas=args.replicas,
+            engine_args={"dtype": args.dtype, "kv_cache_memory_gb": args.kv_cache_memory_gb},
+        )
+    except ValueError as e:
+        print(f"kvserve: error: {e}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    ray.init(include_dashboard=False)  # joins a running cluster, else starts a local Ray
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(build_app(config), name="kvserve", route_prefix="/")
+        url = f"http://{args.host}:{args.port}"
+        print(f"kvserve is serving {config.model_name} at {url}/v1 (Ctrl-C stops it)")
+        body = json.dumps({"model": config.model_name, "messages": [{"role": "user", "content": "Hi!"}]})
+        print(f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'", flush=True)
+        while not stop.wait(1.0):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.shutdown()
+        ray.shutdown()
     return 0
 
 

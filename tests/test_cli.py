@@ -1,6 +1,10 @@
 import os
+import signal
 import subprocess
 import sys
+import time
+
+import openai
 
 
 def _kvserve(*args):
@@ -23,3 +27,40 @@ def test_bad_model_is_a_clear_error(tmp_path):
     result = _kvserve("generate", "hi", "--model", str(tmp_path / "missing"))
     assert result.returncode == 2
     assert "not found" in result.stderr
+
+
+def test_serve_answers_then_shuts_down_cleanly(tmp_path):
+    port = 18477
+    env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_ADDRESS="local")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "deployments.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",
+            "--kv-cache-memory-gb",
+            "0.25",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    try:
+        banner = ""
+        deadline = time.time() + 240
+        while "serving" not in banner and time.time() < deadline and proc.poll() is None:
+            banner = proc.stdout.readline()
+        assert "serving SmolLM2-135M-Instruct" in banner
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        out = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "Say hi."}], max_tokens=8
+        )
+        assert out.choices[0].message.content
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == 0
