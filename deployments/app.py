@@ -5,12 +5,14 @@ from ray.serve import Application
 
 from replica.deployment import LLMServer
 from replica.model_loader import BUNDLED_NAME
+from router.coordinator import coordinator_address
 from router.http import OpenAIIngress
 
 
 class AppConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    app_name: str = "kvserve"  # the Serve application name (names its coordinator)
     model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
     served_model_name: str | None = None  # the `model` clients send; default: the directory name
     replicas: int = Field(default=1, ge=1)
@@ -27,8 +29,9 @@ class AppConfig(BaseModel):
 
 def build_app(config: AppConfig | dict) -> Application:
     config = AppConfig.model_validate(config)
+    coordinator = coordinator_address(config.app_name)
     llm = LLMServer.options(
         num_replicas=config.replicas,
         ray_actor_options={"num_cpus": config.num_cpus_per_replica, "num_gpus": config.num_gpus_per_replica},
-    ).bind({**config.engine_args, "model": config.model})
-    return OpenAIIngress.bind(llm, config.model_name, config.model)
+    ).bind({**config.engine_args, "model": config.model}, coordinator)
+    return OpenAIIngress.bind(llm, config.model_name, config.model, coordinator)

@@ -95,7 +95,7 @@ def _serve(args: argparse.Namespace) -> int:
     ray.init(include_dashboard=False)  # joins a running cluster, else starts a local Ray
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(build_app(config), name="kvserve", route_prefix="/")
+        serve.run(build_app(config), name=config.app_name, route_prefix="/")
         url = f"http://{args.host}:{args.port}"
         print(f"kvserve is serving {config.model_name} at {url}/v1 (Ctrl-C stops it)")
         body = json.dumps({"model": config.model_name, "messages": [{"role": "user", "content": "Hi!"}]})

@@ -9,11 +9,14 @@ free again after the current step.
 
 import asyncio
 import logging
+import threading
+import time
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 
+import ray
 from ray import serve
 
 from replica.config import EngineConfig
@@ -23,15 +26,22 @@ from replica.sampling_params import SamplingParams
 
 logger = logging.getLogger("ray.serve")
 
+STATS_PUSH_INTERVAL_S = 0.1
+
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
 class LLMServer:
-    def __init__(self, engine_args: dict | None = None):
+    def __init__(self, engine_args: dict | None = None, coordinator: tuple[str, str] | None = None):
+        """coordinator: (namespace, name) of the named actor to push stats to."""
         self.engine = Engine(EngineConfig.from_kwargs(**(engine_args or {})))
         self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-engine")
         self._streams: dict[str, asyncio.Queue] = {}
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
+        if coordinator is not None:
+            threading.Thread(
+                target=self._push_stats, args=coordinator, name="kvserve-stats", daemon=True
+            ).start()
 
     async def generate(
         self, prompt: str | list[int], params: dict | None = None, request_id: str | None = None
@@ -78,6 +88,20 @@ class LLMServer:
         stats = self.stats()
         keys = ("num_free_blocks", "num_total_blocks", "num_running", "num_waiting")
         return {k: stats[k] for k in keys}
+
+    def _push_stats(self, namespace: str, name: str) -> None:
+        """Report stats to the coordinator every STATS_PUSH_INTERVAL_S, fire-and-forget.
+        Until the coordinator exists (the ingress creates it), or after it died, the
+        replica keeps looking it up."""
+        replica_id = serve.get_replica_context().replica_id.unique_id
+        coordinator = None
+        while True:  # a daemon thread: it ends with the replica process
+            time.sleep(STATS_PUSH_INTERVAL_S)
+            try:
+                coordinator = coordinator or ray.get_actor(name, namespace=namespace)
+                coordinator.report.remote(replica_id, self.stats())
+            except Exception:
+                coordinator = None
 
     def check_health(self) -> None:
         if self._loop_task is not None and self._loop_task.done():

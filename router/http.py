@@ -14,6 +14,7 @@ from ray.serve.handle import DeploymentHandle
 from transformers import AutoTokenizer
 
 from replica.model_loader import resolve_model
+from router.coordinator import get_coordinator
 from router.protocol import ChatCompletionRequest, CompletionRequest
 
 app = FastAPI(title="kvserve")
@@ -159,8 +160,15 @@ class _Formatter:
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)
 @serve.ingress(app)
 class OpenAIIngress:
-    def __init__(self, llm: DeploymentHandle, model_name: str, model: str | None = None):
+    def __init__(
+        self,
+        llm: DeploymentHandle,
+        model_name: str,
+        model: str | None = None,
+        coordinator: tuple[str, str] | None = None,
+    ):
         self.llm = llm
+        self.coordinator = get_coordinator(coordinator) if coordinator else None
         self.model_name = model_name
         self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(model))
 

@@ -5,11 +5,13 @@ import time
 import httpx
 import openai
 import pytest
+import ray
 from conftest import SERVE_HTTP_PORT
 from ray import serve
 
 from deployments.app import build_app
 from replica import SamplingParams
+from router.coordinator import coordinator_address, get_coordinator
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -18,6 +20,7 @@ MODEL = "SmolLM2-135M-Instruct"
 def base_url(ray_cluster, model_path):
     app = build_app(
         {
+            "app_name": "http-test",
             "model": str(model_path),
             "served_model_name": MODEL,
             "engine_args": {"dtype": "float32", "kv_cache_memory_gb": 0.25},
@@ -26,6 +29,7 @@ def base_url(ray_cluster, model_path):
     serve.run(app, name="http-test", route_prefix="/")
     yield f"http://127.0.0.1:{SERVE_HTTP_PORT}"
     serve.delete("http-test")
+    ray.kill(get_coordinator(coordinator_address("http-test")))
 
 
 @pytest.fixture(scope="module")
@@ -163,3 +167,17 @@ def test_dropped_http_stream_frees_blocks(base_url):
         time.sleep(0.1)
     assert stats["num_running"] == 0 and stats["num_waiting"] == 0
     assert stats["num_free_blocks"] == total
+
+
+def test_replicas_report_to_the_coordinator(base_url):
+    coordinator = get_coordinator(coordinator_address("http-test"))
+    snapshot = {}
+    for _ in range(50):
+        snapshot = ray.get(coordinator.snapshot.remote())
+        if snapshot:
+            break
+        time.sleep(0.1)
+    assert len(snapshot) == 1
+    (stats,) = snapshot.values()
+    assert 0 < stats["num_free_blocks"] <= stats["num_total_blocks"]
+    assert {"num_running", "num_waiting", "kv_cache_usage", "prefix_cache_hits"} <= set(stats)
