@@ -8,13 +8,15 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 from transformers import AutoTokenizer
 
 from replica.model_loader import resolve_model
 from router.coordinator import get_coordinator
+from router.metrics import RequestTimer, ServingMetrics
 from router.protocol import ChatCompletionRequest, CompletionRequest
 
 app = FastAPI(title="kvserve")
@@ -46,13 +48,15 @@ async def _validation_error(request: Request, e: RequestValidationError):
     return error_response(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}", where)
 
 
-async def _sse(formatter: "_Formatter", first: dict, stream, include_usage: bool) -> AsyncIterator[str]:
+async def _sse(
+    formatter: "_Formatter", first: dict, stream, timer: RequestTimer, include_usage: bool
+) -> AsyncIterator[str]:
     """Server-sent events; closing early (client gone) cancels the replica stream."""
     try:
         if formatter.chat:
             yield _event(formatter.chunk({"role": "assistant", "content": ""}, None, None))
         last = first
-        async for chunk in _prepend(first, stream):
+        async for chunk in _prepend(first, stream, timer):
             last = chunk
             yield _event(formatter.delta(chunk))
         if include_usage:
@@ -62,9 +66,11 @@ async def _sse(formatter: "_Formatter", first: dict, stream, include_usage: bool
         stream.cancel()
 
 
-async def _prepend(first: dict, stream) -> AsyncIterator[dict]:
+async def _prepend(first: dict, stream, timer: RequestTimer) -> AsyncIterator[dict]:
+    timer.on_chunk(first)
     yield first
     async for chunk in stream:
+        timer.on_chunk(chunk)
         yield chunk
 
 
@@ -169,12 +175,18 @@ class OpenAIIngress:
     ):
         self.llm = llm
         self.coordinator = get_coordinator(coordinator) if coordinator else None
+        self.metrics = ServingMetrics(model_name)
         self.model_name = model_name
         self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(model))
 
     @app.get("/health")
     async def health(self) -> dict:
         return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics(self) -> Response:
+        snapshot = await self.coordinator.snapshot.remote() if self.coordinator else {}
+        return Response(self.metrics.exposition(snapshot), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models(self) -> dict:
@@ -208,6 +220,7 @@ class OpenAIIngress:
             )
 
     async def _respond(self, body, prompt, params: dict, chat: bool):
+        timer = self.metrics.timer()
         stream = self.llm.options(stream=True).generate.remote(prompt, params)
         try:
             first = await stream.__anext__()  # surfaces validation errors before any byte is sent
@@ -221,12 +234,10 @@ class OpenAIIngress:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
-                _sse(formatter, first, stream, include_usage), media_type="text/event-stream"
+                _sse(formatter, first, stream, timer, include_usage), media_type="text/event-stream"
             )
-        chunks = [first]
         try:
-            async for chunk in stream:
-                chunks.append(chunk)
+            chunks = [chunk async for chunk in _prepend(first, stream, timer)]
         finally:
             stream.cancel()
         return formatter.whole(chunks)

@@ -7,6 +7,7 @@ import openai
 import pytest
 import ray
 from conftest import SERVE_HTTP_PORT
+from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
 from deployments.app import build_app
@@ -181,3 +182,31 @@ def test_replicas_report_to_the_coordinator(base_url):
     (stats,) = snapshot.values()
     assert 0 < stats["num_free_blocks"] <= stats["num_total_blocks"]
     assert {"num_running", "num_waiting", "kv_cache_usage", "prefix_cache_hits"} <= set(stats)
+
+
+def test_metrics_parse_with_vllm_names(client, base_url):
+    client.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+    )
+    text = httpx.get(f"{base_url}/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_queries",
+        "vllm:prefix_cache_hits",
+        "vllm:prompt_tokens",
+        "vllm:generation_tokens",
+        "vllm:time_to_first_token_seconds",
+        "vllm:inter_token_latency_seconds",
+        "vllm:e2e_request_latency_seconds",
+        "vllm:num_preemptions",
+    ):
+        assert name in families, name
+    generated = sum(s.value for s in families["vllm:generation_tokens"].samples if s.name.endswith("_total"))
+    assert generated >= 4
+    ttft_count = [
+        s.value for s in families["vllm:time_to_first_token_seconds"].samples if s.name.endswith("_count")
+    ]
+    assert ttft_count and ttft_count[0] >= 1

@@ -1,0 +1,103 @@
+"""Prometheus metrics under vLLM's names, so existing vLLM dashboards work unchanged.
+
+Latencies and token counts are measured where requests pass, in the ingress. Queue
+and KV-cache figures are the sums of the replicas' latest reports to the coordinator.
+"""
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class ServingMetrics:
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self._snapshot: dict[str, dict] = {}
+        labels = ["model_name"]
+        r = self.registry
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed.", labels, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", labels, registry=r)
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Time to first token.",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Time between output tokens.",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Request latency, end to end.",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.registry.register(self)  # collect() below adds the replica-derived metrics
+
+    def exposition(self, snapshot: dict[str, dict]) -> bytes:
+        self._snapshot = snapshot
+        return generate_latest(self.registry)
+
+    def collect(self):
+        stats = list(self._snapshot.values())
+        total = sum(s["num_total_blocks"] for s in stats)
+        free = sum(s["num_free_blocks"] for s in stats)
+        gauges = {
+            "vllm:num_requests_running": (
+                "Requests in the model's batch.",
+                sum(s["num_running"] for s in stats),
+            ),
+            "vllm:num_requests_waiting": ("Requests queued.", sum(s["num_waiting"] for s in stats)),
+            "vllm:kv_cache_usage_perc": ("KV-cache usage, 1 = full.", 1 - free / total if total else 0.0),
+        }
+        for name, (doc, value) in gauges.items():
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric([self.model_name], value)
+            yield g
+        counters = {
+            "vllm:prefix_cache_queries": ("Prefix-cache block lookups.", "prefix_cache_queries"),
+            "vllm:prefix_cache_hits": ("Prefix-cache block hits.", "prefix_cache_hits"),
+            "vllm:num_preemptions": ("Preemptions by recompute.", "num_preemptions"),
+        }
+        for name, (doc, key) in counters.items():
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric([self.model_name], sum(s[key] for s in stats))
+            yield c
+
+    def timer(self) -> "RequestTimer":
+        return RequestTimer(self)
+
+
+class RequestTimer:
+    """Follows one request's chunks and records its latencies and tokens once it ends."""
+
+    def __init__(self, metrics: ServingMetrics):
+        self.metrics = metrics
+        self.start = self.last = time.perf_counter()
+        self.first = True
+
+    def on_chunk(self, chunk: dict) -> None:
+        now = time.perf_counter()
+        label = self.metrics.model_name
+        if self.first:
+            self.metrics.ttft.labels(label).observe(now - self.start)
+            self.first = False
+        elif chunk["token_ids"]:
+            self.metrics.itl.labels(label).observe((now - self.last) / len(chunk["token_ids"]))
+        self.last = now
+        if chunk["finished"]:
+            self.metrics.e2e.labels(label).observe(now - self.start)
+            self.metrics.prompt_tokens.labels(label).inc(
+                chunk["num_prompt_tokens"] - chunk["num_cached_tokens"]
+            )
+            self.metrics.generation_tokens.labels(label).inc(chunk["num_output_tokens"])
