@@ -11,12 +11,16 @@ import threading
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-
-    gen = commands.add_parser("generate", help="generate text offline and stream it to the terminal")
-    gen.add_argument("prompt")
-    gen.add_argument(
+    model_args = argparse.ArgumentParser(add_help=False)
+    model_args.add_argument(
         "--model", default=None, help="local HF directory or .gguf file (default: bundled SmolLM2)"
     )
+    model_args.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+
+    gen = commands.add_parser(
+        "generate", parents=[model_args], help="generate text offline and stream it to the terminal"
+    )
+    gen.add_argument("prompt")
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
@@ -26,17 +30,14 @@ def main(argv: list[str] | None = None) -> int:
         default=True,
         help="wrap the prompt in the model's chat template (default: on)",
     )
-    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
 
-    srv = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API on a local Ray")
-    srv.add_argument(
-        "--model", default=None, help="local HF directory or .gguf file (default: bundled SmolLM2)"
+    srv = commands.add_parser(
+        "serve", parents=[model_args], help="serve the OpenAI-compatible HTTP API on a local Ray"
     )
     srv.add_argument("--served-model-name", default=None, help="the model name clients send")
     srv.add_argument("--replicas", type=int, default=1)
     srv.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1, local only)")
     srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     srv.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
 
     args = parser.parse_args(argv)

@@ -84,8 +84,8 @@ def _usage(last: dict) -> dict:
 
 
 def _as_api_error(e: Exception) -> APIError:
-    cause = getattr(e, "cause", None) or e
-    if isinstance(cause, ValueError) or isinstance(e, ValueError):
+    cause = getattr(e, "cause", None) or e  # Ray wraps the replica's exception
+    if isinstance(cause, ValueError):
         message = str(cause).strip().splitlines()[-1] if str(cause).strip() else "invalid request"
         return APIError(400, message)
     return APIError(503, f"replica unavailable: {type(e).__name__}", kind="server_error")
