@@ -1,12 +1,16 @@
 """Serve application builder: one pydantic config in, one Serve application out."""
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 
 from replica.deployment import LLMServer
 from replica.model_loader import BUNDLED_NAME
 from router.coordinator import coordinator_address
 from router.http import OpenAIIngress
+from router.kv_router import KVAwareRouter
 
 
 class AppConfig(BaseModel):
@@ -16,6 +20,8 @@ class AppConfig(BaseModel):
     model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
     served_model_name: str | None = None  # the `model` clients send; default: the directory name
     replicas: int = Field(default=1, ge=1)
+    # "kv": rank replicas by free KV blocks and cached prefix; "pow2": Serve's default router.
+    router: Literal["kv", "pow2"] = "kv"
     engine_args: dict = Field(default_factory=dict)  # EngineConfig fields, e.g. block_size
     num_cpus_per_replica: float = Field(default=0, ge=0)
     num_gpus_per_replica: float = Field(default=0, ge=0)
@@ -30,8 +36,14 @@ class AppConfig(BaseModel):
 def build_app(config: AppConfig | dict) -> Application:
     config = AppConfig.model_validate(config)
     coordinator = coordinator_address(config.app_name)
+    options = {}
+    if config.router == "kv":
+        options["request_router_config"] = RequestRouterConfig(
+            request_router_class=KVAwareRouter, request_router_kwargs={"coordinator": coordinator}
+        )
     llm = LLMServer.options(
         num_replicas=config.replicas,
         ray_actor_options={"num_cpus": config.num_cpus_per_replica, "num_gpus": config.num_gpus_per_replica},
+        **options,
     ).bind({**config.engine_args, "model": config.model}, coordinator)
     return OpenAIIngress.bind(llm, config.model_name, config.model, coordinator)

@@ -8,6 +8,7 @@ coldest cached content first.
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from itertools import islice
 
 
 @dataclass
@@ -86,6 +87,10 @@ class BlockPool:
                     self._free.move_to_end(block.block_id, last=False)
                 else:
                     self._free[block.block_id] = None
+
+    def recent_hashes(self, limit: int) -> list[bytes]:
+        """Hashes of up to `limit` cached blocks, most recently cached first."""
+        return list(islice(reversed(self._cached), limit))
 
     def reset_prefix_cache(self) -> None:
         for block in self.blocks:

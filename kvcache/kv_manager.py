@@ -123,6 +123,12 @@ class KVCacheManager:
         if entry is not None:
             self.pool.free(entry.blocks)
 
+    def cached_prefix_summary(self, limit: int) -> list[bytes]:
+        """A bounded sample of the prefix cache for routers: the newest block hashes.
+        Chained hashes let a router find a prompt's longest cached prefix by checking
+        its own block hashes against this set."""
+        return self.pool.recent_hashes(limit)
+
     def stats(self) -> KVStats:
         return KVStats(
             num_free_blocks=self.pool.num_free_blocks,

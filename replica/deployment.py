@@ -8,6 +8,7 @@ free again after the current step.
 """
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -27,6 +28,8 @@ from replica.sampling_params import SamplingParams
 logger = logging.getLogger("ray.serve")
 
 STATS_PUSH_INTERVAL_S = 0.1
+# 4096 hashes x 16 bytes: 64 KiB per push, enough for 64k cached tokens at block size 16.
+CACHED_HASHES_REPORTED = 4096
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
@@ -34,6 +37,8 @@ class LLMServer:
     def __init__(self, engine_args: dict | None = None, coordinator: tuple[str, str] | None = None):
         """coordinator: (namespace, name) of the named actor to push stats to."""
         self.engine = Engine(EngineConfig.from_kwargs(**(engine_args or {})))
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self._report = self._build_report()
         self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-engine")
         self._streams: dict[str, asyncio.Queue] = {}
         self._wakeup: asyncio.Event | None = None
@@ -63,16 +68,18 @@ class LLMServer:
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
-                yield _delta(item)
+                yield _delta(item, self.replica_id)
         finally:
             self._streams.pop(request_id, None)
             if not finished:
                 # Not awaited: this also runs while the caller's task is being cancelled.
                 self._engine_thread.submit(self.engine.abort, request_id)
 
-    def stats(self) -> dict:
+    def _stats(self) -> dict:
+        """Engine figures. Reads engine state, so it runs on the engine thread."""
         s = self.engine.stats()
         return {
+            "block_size": self.engine.config.block_size,
             "num_free_blocks": s.kv.num_free_blocks,
             "num_total_blocks": s.kv.num_total_blocks,
             "kv_cache_usage": s.kv.usage,
@@ -80,26 +87,41 @@ class LLMServer:
             "prefix_cache_hits": s.kv.prefix_cache_hits,
             "num_running": s.num_running,
             "num_waiting": s.num_waiting,
+            "num_waiting_blocks": s.num_waiting_blocks,
             "num_preemptions": s.num_preemptions,
         }
 
-    def record_routing_stats(self) -> dict:
+    async def stats(self) -> dict:
+        return await self._call_engine(self._stats)
+
+    async def record_routing_stats(self) -> dict:
         """Polled by Serve and handed to request routers with each replica."""
-        stats = self.stats()
+        stats = await self.stats()
         keys = ("num_free_blocks", "num_total_blocks", "num_running", "num_waiting")
         return {k: stats[k] for k in keys}
 
+    def _build_report(self) -> dict:
+        """The coordinator's view of this replica: stats, the newest cached block hashes
+        (bounded), and the wall-clock time they were read, so that routers can tell which
+        of their own recent routing decisions the figures already include. Built on the
+        engine thread between steps; the push thread only sends the latest one."""
+        return {
+            **self._stats(),
+            "cached_block_hashes": self.engine.kv.cached_prefix_summary(CACHED_HASHES_REPORTED),
+            "reported_at": time.time(),
+        }
+
     def _push_stats(self, namespace: str, name: str) -> None:
-        """Report stats to the coordinator every STATS_PUSH_INTERVAL_S, fire-and-forget.
-        Until the coordinator exists (the ingress creates it), or after it died, the
-        replica keeps looking it up."""
-        replica_id = serve.get_replica_context().replica_id.unique_id
+        """Send the latest report to the coordinator every STATS_PUSH_INTERVAL_S. Until
+        the coordinator exists (the ingress creates it), or after it died, the replica
+        keeps looking it up."""
         coordinator = None
         while True:  # a daemon thread: it ends with the replica process
             time.sleep(STATS_PUSH_INTERVAL_S)
             try:
                 coordinator = coordinator or ray.get_actor(name, namespace=namespace)
-                coordinator.report.remote(replica_id, self.stats())
+                # Waited on, so that a dead coordinator shows up as an error here.
+                ray.get(coordinator.report.remote(self.replica_id, self._report), timeout=2.0)
             except Exception:
                 coordinator = None
 
@@ -132,20 +154,25 @@ class LLMServer:
                 if queue is not None:
                     queue.put_nowait(out)
             if not busy:
-                await self._wakeup.wait()
+                # Idle: still tick now and then, so the report catches up with aborts.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wakeup.wait(), timeout=STATS_PUSH_INTERVAL_S)
 
     def _step(self) -> tuple[list[RequestOutput], bool]:
         outputs = self.engine.step() if self.engine.has_unfinished() else []
+        if time.time() - self._report["reported_at"] >= STATS_PUSH_INTERVAL_S:
+            self._report = self._build_report()
         return outputs, self.engine.has_unfinished()
 
 
-def _delta(out: RequestOutput) -> dict:
+def _delta(out: RequestOutput, replica_id: str) -> dict:
     completion = out.outputs[0]
     new_logprobs = None
     if completion.logprobs is not None:
         new_logprobs = [asdict(lp) for lp in completion.logprobs[-len(out.new_token_ids) :]]
     return {
         "request_id": out.request_id,
+        "replica_id": replica_id,
         "text": out.new_text,
         "token_ids": out.new_token_ids,
         "logprobs": new_logprobs,

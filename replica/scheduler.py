@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvcache import KVCacheManager
+from kvcache.kv_manager import cdiv
 from replica.request import FinishReason, Request, RequestStatus
 
 
@@ -66,6 +67,10 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
+
+    def num_waiting_blocks(self) -> int:
+        """Blocks the waiting queue will ask for once admitted (ignoring prefix hits)."""
+        return sum(cdiv(r.num_tokens, self.kv.block_size) for r in self.waiting)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

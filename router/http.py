@@ -197,7 +197,9 @@ class OpenAIIngress:
     async def completions(self, body: CompletionRequest):
         self._check_model(body.model)
         params = body.sampling_params(body.max_tokens, body.logprobs)
-        return await self._respond(body, body.prompt, params, chat=False)
+        # Token ids, not text, go to the replicas: the KV router hashes them into blocks.
+        prompt = self.tokenizer(body.prompt).input_ids if isinstance(body.prompt, str) else body.prompt
+        return await self._respond(body, prompt, params, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest):

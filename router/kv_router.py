@@ -1,0 +1,193 @@
+"""KV-aware request routing for the LLMServer deployment, as a Ray Serve RequestRouter.
+
+Replicas push their free blocks and a bounded set of cached block hashes to the
+coordinator; this router keeps a copy of the coordinator's snapshot, refreshed in the
+background, so nothing on the request path waits on the coordinator. For each request
+it ranks replicas by
+
+1. free KV blocks net of what the prompt needs (compared in buckets of
+   `free_bucket_fraction` of the cache, so that replicas with about the same room tie
+   and the next key decides between them);
+2. then the longest cached prefix of the prompt;
+3. then queue length: replicas that tie on both keys form one rank, and Serve picks
+   the one with the fewest ongoing requests within it.
+
+The snapshot is up to ~200 ms old, so the router also remembers the blocks it promised
+each replica since that replica's last report; a burst of requests spreads out instead of
+piling onto whichever replica looked emptiest. Without a snapshot (coordinator gone,
+replica not yet heard from, or a text prompt the router cannot hash) it falls back to
+power-of-two choices.
+"""
+
+import asyncio
+import logging
+import random
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from kvcache.hashing import hash_full_blocks
+from kvcache.kv_manager import cdiv
+from router.coordinator import get_coordinator
+
+logger = logging.getLogger("ray.serve")
+
+REFRESH_INTERVAL_S = 0.1
+# A request routed less than this long before a report may not have reached the engine yet.
+ARRIVAL_MARGIN_S = 0.05
+DEBIT_TTL_S = 5.0
+
+
+@dataclass
+class ReplicaView:
+    """What the router believes about one replica's KV cache."""
+
+    block_size: int
+    free_blocks: int  # free now, less what its waiting queue will take
+    total_blocks: int
+    cached_hashes: frozenset[bytes]
+    reported_at: float  # wall clock, on the replica
+
+    @classmethod
+    def from_report(cls, report: dict) -> "ReplicaView":
+        return cls(
+            block_size=report["block_size"],
+            free_blocks=report["num_free_blocks"] - report["num_waiting_blocks"],
+            total_blocks=report["num_total_blocks"],
+            cached_hashes=frozenset(report["cached_block_hashes"]),
+            reported_at=report["reported_at"],
+        )
+
+
+@dataclass
+class Debit:
+    routed_at: float
+    blocks: int
+
+
+def cached_prefix_blocks(prompt_hashes: Sequence[bytes], view: ReplicaView) -> int:
+    """Leading prompt blocks the replica reported as cached (hashes are chained, so the
+    first miss ends the prefix)."""
+    n = 0
+    for block_hash in prompt_hashes:
+        if block_hash not in view.cached_hashes:
+            break
+        n += 1
+    return n
+
+
+def blocks_needed(num_prompt_tokens: int, cached_blocks: int, block_size: int) -> int:
+    return cdiv(num_prompt_tokens, block_size) - cached_blocks
+
+
+def placement_key(
+    prompt: Sequence[int], view: ReplicaView, promised_blocks: int, free_bucket_fraction: float
+) -> tuple[int, int]:
+    """Larger is better: (bucket of net free blocks, cached prefix blocks)."""
+    # Like the engine, never count the last prompt token as cacheable.
+    hits = cached_prefix_blocks(hash_full_blocks(prompt[:-1], view.block_size), view)
+    net_free = view.free_blocks - promised_blocks - blocks_needed(len(prompt), hits, view.block_size)
+    bucket = max(1, round(view.total_blocks * free_bucket_fraction))
+    return net_free // bucket, hits
+
+
+def group_ranks(keys: dict[ReplicaID, tuple]) -> list[list[ReplicaID]]:
+    """Replicas grouped by equal key, best key first."""
+    groups: dict[tuple, list[ReplicaID]] = defaultdict(list)
+    for replica_id, key in keys.items():
+        groups[key].append(replica_id)
+    return [groups[key] for key in sorted(groups, reverse=True)]
+
+
+def prompt_token_ids(pending_request: PendingRequest | None) -> list[int] | None:
+    """The token ids `LLMServer.generate(prompt, ...)` was called with, if it was."""
+    if pending_request is None:
+        return None
+    prompt = pending_request.args[0] if pending_request.args else pending_request.kwargs.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        return prompt
+    return None
+
+
+class KVAwareRouter(RequestRouter):
+    def initialize_state(
+        self,
+        coordinator: Sequence[str] | None = None,
+        free_bucket_fraction: float = 0.125,
+        refresh_interval_s: float = REFRESH_INTERVAL_S,
+    ) -> None:
+        """coordinator: (namespace, name) of the application's coordinator actor."""
+        self._coordinator_address = tuple(coordinator) if coordinator else None
+        self._free_bucket_fraction = free_bucket_fraction
+        self._refresh_interval_s = refresh_interval_s
+        self._views: dict[str, ReplicaView] = {}
+        self._debits: dict[str, list[Debit]] = defaultdict(list)
+        self._refresher: asyncio.Task | None = None
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        self._start_refresher()
+        prompt = prompt_token_ids(pending_request)
+        views = {r.replica_id: self._views.get(r.replica_id.unique_id) for r in candidate_replicas}
+        if prompt is None or not views or any(v is None for v in views.values()):
+            return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
+        keys = {
+            replica_id: placement_key(
+                prompt, view, self._promised_blocks(replica_id.unique_id), self._free_bucket_fraction
+            )
+            for replica_id, view in views.items()
+        }
+        by_id = {r.replica_id: r for r in candidate_replicas}
+        return [[by_id[i] for i in rank] for rank in group_ranks(keys)]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        prompt = prompt_token_ids(pending_request)
+        view = self._views.get(replica_id.unique_id)
+        if prompt is None or view is None:
+            return
+        hits = cached_prefix_blocks(hash_full_blocks(prompt[:-1], view.block_size), view)
+        blocks = blocks_needed(len(prompt), hits, view.block_size)
+        self._debits[replica_id.unique_id].append(Debit(time.time(), blocks))
+
+    def _promised_blocks(self, replica_id: str) -> int:
+        """Blocks routed to the replica that its last report cannot include yet."""
+        horizon = self._views[replica_id].reported_at - ARRIVAL_MARGIN_S
+        return sum(d.blocks for d in self._debits.get(replica_id, ()) if d.routed_at > horizon)
+
+    def _start_refresher(self) -> None:
+        if self._refresher is None and self._coordinator_address is not None:
+            self._refresher = asyncio.get_running_loop().create_task(self._refresh_forever())
+
+    async def _refresh_forever(self) -> None:
+        """Copy the coordinator's snapshot every refresh interval. On failure drop the
+        copy (so routing falls back at once) and look the coordinator up again, which
+        recreates it if it died."""
+        loop = asyncio.get_running_loop()
+        coordinator = None
+        while True:
+            try:
+                if coordinator is None:
+                    coordinator = await loop.run_in_executor(None, get_coordinator, self._coordinator_address)
+                snapshot = await asyncio.wait_for(coordinator.snapshot.remote(), timeout=2.0)
+                self._views = {rid: ReplicaView.from_report(r) for rid, r in snapshot.items()}
+                self._expire_debits()
+            except Exception as e:
+                if coordinator is not None:
+                    logger.warning(f"KV router: lost the coordinator, routing by power of two ({e!r})")
+                coordinator, self._views = None, {}
+            await asyncio.sleep(self._refresh_interval_s)
+
+    def _expire_debits(self) -> None:
+        cutoff = time.time() - DEBIT_TTL_S
+        for replica_id in list(self._debits):
+            view = self._views.get(replica_id)
+            horizon = cutoff if view is None else max(cutoff, view.reported_at - ARRIVAL_MARGIN_S)
+            kept = [d for d in self._debits[replica_id] if d.routed_at > horizon]
+            if kept:
+                self._debits[replica_id] = kept
+            else:
+                del self._debits[replica_id]

@@ -1,0 +1,27 @@
+"""The Serve config YAMLs are valid for `serve run` / `serve deploy` and build our app."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+from ray.serve import Application
+from ray.serve.schema import ServeDeploySchema
+
+from deployments.app import AppConfig, build_app
+from replica.config import EngineConfig
+
+CONFIGS = sorted((Path(__file__).parent.parent / "deployments" / "configs").glob("*.yaml"))
+
+
+def test_both_configs_exist():
+    assert {p.name for p in CONFIGS} >= {"local.yaml", "gpu.yaml"}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_config_is_a_valid_serve_config_that_builds_the_app(path):
+    schema = ServeDeploySchema.model_validate(yaml.safe_load(path.read_text()))
+    (app,) = schema.applications
+    assert app.import_path == "deployments.app:build_app"
+    config = AppConfig.model_validate(app.args)
+    EngineConfig.from_kwargs(**config.engine_args)  # every engine argument is a real field
+    assert isinstance(build_app(config), Application)
