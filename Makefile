@@ -2,7 +2,7 @@
 VENV ?= .venv
 PROMPT ?= Write a haiku about paged memory.
 
-.PHONY: setup run generate test lint bench
+.PHONY: setup run generate test lint bench bench-serving
 
 setup:
 	./scripts/setup.sh
@@ -21,3 +21,6 @@ lint: setup
 
 bench: setup
 	HF_HUB_OFFLINE=1 $(VENV)/bin/python bench/offline.py
+
+bench-serving: setup
+	HF_HUB_OFFLINE=1 $(VENV)/bin/python bench/serving.py

@@ -25,6 +25,10 @@ class AppConfig(BaseModel):
     engine_args: dict = Field(default_factory=dict)  # EngineConfig fields, e.g. block_size
     num_cpus_per_replica: float = Field(default=0, ge=0)
     num_gpus_per_replica: float = Field(default=0, ge=0)
+    # Where `kvserve serve` starts Serve's HTTP proxy. Under `serve run/deploy` a config
+    # file's `http_options` decide instead: the proxy belongs to the cluster, not the app.
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=1, le=65535)
 
     @property
     def model_name(self) -> str:

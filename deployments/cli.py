@@ -36,6 +36,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     srv.add_argument("--served-model-name", default=None, help="the model name clients send")
     srv.add_argument("--replicas", type=int, default=1)
+    srv.add_argument(
+        "--router",
+        default="kv",
+        choices=["kv", "pow2"],
+        help="kv: by free KV blocks and cached prefix (default); pow2: Serve's power-of-two choices",
+    )
     srv.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1, local only)")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
@@ -86,6 +92,9 @@ def _serve(args: argparse.Namespace) -> int:
             model=args.model,
             served_model_name=args.served_model_name,
             replicas=args.replicas,
+            router=args.router,
+            host=args.host,
+            port=args.port,
             engine_args={"dtype": args.dtype, "kv_cache_memory_gb": args.kv_cache_memory_gb},
         )
     except ValueError as e:
@@ -95,9 +104,9 @@ def _serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     ray.init(include_dashboard=False)  # joins a running cluster, else starts a local Ray
     try:
-        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.start(http_options={"host": config.host, "port": config.port})
         serve.run(build_app(config), name=config.app_name, route_prefix="/")
-        url = f"http://{args.host}:{args.port}"
+        url = f"http://{config.host}:{config.port}"
         print(f"kvserve is serving {config.model_name} at {url}/v1 (Ctrl-C stops it)")
         body = json.dumps({"model": config.model_name, "messages": [{"role": "user", "content": "Hi!"}]})
         print(f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'", flush=True)

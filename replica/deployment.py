@@ -80,6 +80,7 @@ class LLMServer:
         s = self.engine.stats()
         return {
             "block_size": self.engine.config.block_size,
+            "max_model_len": self.engine.max_model_len,
             "num_free_blocks": s.kv.num_free_blocks,
             "num_total_blocks": s.kv.num_total_blocks,
             "kv_cache_usage": s.kv.usage,
@@ -87,7 +88,7 @@ class LLMServer:
             "prefix_cache_hits": s.kv.prefix_cache_hits,
             "num_running": s.num_running,
             "num_waiting": s.num_waiting,
-            "num_waiting_blocks": s.num_waiting_blocks,
+            "num_pending_blocks": s.num_pending_blocks,
             "num_preemptions": s.num_preemptions,
         }
 

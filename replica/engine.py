@@ -24,7 +24,7 @@ class EngineStats:
     kv: KVStats
     num_running: int
     num_waiting: int
-    num_waiting_blocks: int
+    num_pending_blocks: int
     num_preemptions: int
 
 
@@ -128,7 +128,7 @@ class Engine:
             kv=self.kv.stats(),
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
-            num_waiting_blocks=self.scheduler.num_waiting_blocks(),
+            num_pending_blocks=self.scheduler.num_pending_blocks(),
             num_preemptions=self.scheduler.num_preemptions,
         )
 

@@ -68,9 +68,15 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
-    def num_waiting_blocks(self) -> int:
-        """Blocks the waiting queue will ask for once admitted (ignoring prefix hits)."""
-        return sum(cdiv(r.num_tokens, self.kv.block_size) for r in self.waiting)
+    def num_pending_blocks(self) -> int:
+        """Blocks that admitted and waiting requests will still take if each runs to its
+        max_tokens (prefix hits ignored). Routers subtract this from the free blocks, so
+        that short prompts with long answers ahead do not look cheap."""
+        pending = 0
+        for request in (*self.running, *self.waiting):
+            final = cdiv(request.num_prompt_tokens + request.max_tokens, self.kv.block_size)
+            pending += max(0, final - len(self.kv.block_ids(request.request_id)))
+        return pending
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

@@ -5,9 +5,9 @@ coordinator; this router keeps a copy of the coordinator's snapshot, refreshed i
 background, so nothing on the request path waits on the coordinator. For each request
 it ranks replicas by
 
-1. free KV blocks net of what the prompt needs (compared in buckets of
-   `free_bucket_fraction` of the cache, so that replicas with about the same room tie
-   and the next key decides between them);
+1. free KV blocks net of what the prompt needs (compared in steps of `slack_fraction`
+   of the cache below the roomiest replica, so that replicas with about the same room
+   tie and the next key decides between them);
 2. then the longest cached prefix of the prompt;
 3. then queue length: replicas that tie on both keys form one rank, and Serve picks
    the one with the fewest ongoing requests within it.
@@ -46,7 +46,8 @@ class ReplicaView:
     """What the router believes about one replica's KV cache."""
 
     block_size: int
-    free_blocks: int  # free now, less what its waiting queue will take
+    max_model_len: int
+    free_blocks: int  # free now, less what admitted and waiting requests will still take
     total_blocks: int
     cached_hashes: frozenset[bytes]
     reported_at: float  # wall clock, on the replica
@@ -55,7 +56,8 @@ class ReplicaView:
     def from_report(cls, report: dict) -> "ReplicaView":
         return cls(
             block_size=report["block_size"],
-            free_blocks=report["num_free_blocks"] - report["num_waiting_blocks"],
+            max_model_len=report["max_model_len"],
+            free_blocks=report["num_free_blocks"] - report["num_pending_blocks"],
             total_blocks=report["num_total_blocks"],
             cached_hashes=frozenset(report["cached_block_hashes"]),
             reported_at=report["reported_at"],
@@ -79,19 +81,32 @@ def cached_prefix_blocks(prompt_hashes: Sequence[bytes], view: ReplicaView) -> i
     return n
 
 
-def blocks_needed(num_prompt_tokens: int, cached_blocks: int, block_size: int) -> int:
-    return cdiv(num_prompt_tokens, block_size) - cached_blocks
-
-
-def placement_key(
-    prompt: Sequence[int], view: ReplicaView, promised_blocks: int, free_bucket_fraction: float
+def net_free_blocks(
+    prompt: Sequence[int], max_tokens: int | None, view: ReplicaView, promised_blocks: int
 ) -> tuple[int, int]:
-    """Larger is better: (bucket of net free blocks, cached prefix blocks)."""
+    """(free blocks left once this request has all it may take, leading prompt blocks
+    already cached). Like the engine, an unset max_tokens means up to max_model_len."""
     # Like the engine, never count the last prompt token as cacheable.
     hits = cached_prefix_blocks(hash_full_blocks(prompt[:-1], view.block_size), view)
-    net_free = view.free_blocks - promised_blocks - blocks_needed(len(prompt), hits, view.block_size)
-    bucket = max(1, round(view.total_blocks * free_bucket_fraction))
-    return net_free // bucket, hits
+    room = max(0, view.max_model_len - len(prompt))
+    final_len = len(prompt) + min(max_tokens or room, room)
+    need = cdiv(final_len, view.block_size) - hits
+    return view.free_blocks - promised_blocks - need, hits
+
+
+def placement_keys(
+    candidates: dict[ReplicaID, tuple[int, int, int]], slack_fraction: float
+) -> dict[ReplicaID, tuple[int, int]]:
+    """Larger is better. candidates: replica -> (net free blocks, cached blocks, total blocks).
+
+    Net free room is measured in steps of `slack_fraction` of the cache below the roomiest
+    replica: every replica within one step of it ties, and the cached prefix decides."""
+    best = max(net for net, _, _ in candidates.values())
+    keys = {}
+    for replica_id, (net, hits, total) in candidates.items():
+        slack = max(1, round(total * slack_fraction))
+        keys[replica_id] = (-((best - net) // slack), hits)
+    return keys
 
 
 def group_ranks(keys: dict[ReplicaID, tuple]) -> list[list[ReplicaID]]:
@@ -102,26 +117,35 @@ def group_ranks(keys: dict[ReplicaID, tuple]) -> list[list[ReplicaID]]:
     return [groups[key] for key in sorted(groups, reverse=True)]
 
 
-def prompt_token_ids(pending_request: PendingRequest | None) -> list[int] | None:
-    """The token ids `LLMServer.generate(prompt, ...)` was called with, if it was."""
+@dataclass
+class RoutedRequest:
+    prompt: list[int]
+    max_tokens: int | None
+
+
+def routed_request(pending_request: PendingRequest | None) -> RoutedRequest | None:
+    """The token ids and max_tokens of an `LLMServer.generate(prompt, params)` call, if
+    the prompt came as token ids (the ingress always sends them)."""
     if pending_request is None:
         return None
-    prompt = pending_request.args[0] if pending_request.args else pending_request.kwargs.get("prompt")
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-        return prompt
-    return None
+    args, kwargs = pending_request.args, pending_request.kwargs
+    prompt = args[0] if args else kwargs.get("prompt")
+    params = args[1] if len(args) > 1 else kwargs.get("params")
+    if not (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
+        return None
+    return RoutedRequest(prompt, (params or {}).get("max_tokens"))
 
 
 class KVAwareRouter(RequestRouter):
     def initialize_state(
         self,
         coordinator: Sequence[str] | None = None,
-        free_bucket_fraction: float = 0.125,
+        slack_fraction: float = 0.125,
         refresh_interval_s: float = REFRESH_INTERVAL_S,
     ) -> None:
         """coordinator: (namespace, name) of the application's coordinator actor."""
         self._coordinator_address = tuple(coordinator) if coordinator else None
-        self._free_bucket_fraction = free_bucket_fraction
+        self._slack_fraction = slack_fraction
         self._refresh_interval_s = refresh_interval_s
         self._views: dict[str, ReplicaView] = {}
         self._debits: dict[str, list[Debit]] = defaultdict(list)
@@ -131,27 +155,30 @@ class KVAwareRouter(RequestRouter):
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
         self._start_refresher()
-        prompt = prompt_token_ids(pending_request)
+        request = routed_request(pending_request)
         views = {r.replica_id: self._views.get(r.replica_id.unique_id) for r in candidate_replicas}
-        if prompt is None or not views or any(v is None for v in views.values()):
+        if request is None or not views or any(v is None for v in views.values()):
             return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
-        keys = {
-            replica_id: placement_key(
-                prompt, view, self._promised_blocks(replica_id.unique_id), self._free_bucket_fraction
+        candidates = {
+            replica_id: (
+                *net_free_blocks(
+                    request.prompt, request.max_tokens, view, self._promised_blocks(replica_id.unique_id)
+                ),
+                view.total_blocks,
             )
             for replica_id, view in views.items()
         }
+        keys = placement_keys(candidates, self._slack_fraction)
         by_id = {r.replica_id: r for r in candidate_replicas}
         return [[by_id[i] for i in rank] for rank in group_ranks(keys)]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
-        prompt = prompt_token_ids(pending_request)
+        request = routed_request(pending_request)
         view = self._views.get(replica_id.unique_id)
-        if prompt is None or view is None:
+        if request is None or view is None:
             return
-        hits = cached_prefix_blocks(hash_full_blocks(prompt[:-1], view.block_size), view)
-        blocks = blocks_needed(len(prompt), hits, view.block_size)
-        self._debits[replica_id.unique_id].append(Debit(time.time(), blocks))
+        net_free, _ = net_free_blocks(request.prompt, request.max_tokens, view, 0)
+        self._debits[replica_id.unique_id].append(Debit(time.time(), view.free_blocks - net_free))
 
     def _promised_blocks(self, replica_id: str) -> int:
         """Blocks routed to the replica that its last report cannot include yet."""

@@ -15,38 +15,75 @@ from deployments.app import build_app
 from kvcache import KVCacheManager, hash_full_blocks
 from replica import SamplingParams
 from router.coordinator import coordinator_address, get_coordinator
-from router.kv_router import ReplicaView, group_ranks, placement_key
+from router.kv_router import ReplicaView, group_ranks, net_free_blocks, placement_keys
 
 APP = "router-test"
 MODEL = "SmolLM2-135M-Instruct"
 NUM_BLOCKS, BLOCK = 64, 16
 
 
-def view(free: int, cached: list[bytes] = (), total: int = 64, block_size: int = 16) -> ReplicaView:
-    return ReplicaView(block_size, free, total, frozenset(cached), reported_at=time.time())
+def view(free: int, cached: list[bytes] = (), total: int = 64) -> ReplicaView:
+    return ReplicaView(
+        block_size=16,
+        max_model_len=1024,
+        free_blocks=free,
+        total_blocks=total,
+        cached_hashes=frozenset(cached),
+        reported_at=time.time(),
+    )
 
 
-def test_more_free_blocks_outranks_a_cached_prefix_within_the_same_bucket_only():
-    prompt = list(range(100, 164))  # 4 blocks of 16
+def keys(prompt: list[int], views: dict[str, ReplicaView], promised: dict[str, int] | None = None) -> dict:
+    promised = promised or {}
+    candidates = {
+        r: (*net_free_blocks(prompt, 1, v, promised.get(r, 0)), v.total_blocks) for r, v in views.items()
+    }
+    return placement_keys(candidates, slack_fraction=0.125)  # 8 blocks of 64
+
+
+def test_net_free_blocks_credits_the_cached_prefix_but_never_the_last_token():
+    prompt = list(range(100, 164))  # 4 full blocks; one more token opens a fifth
     hashes = hash_full_blocks(prompt[:-1], 16)
-    roomy, cached = view(free=60), view(free=40, cached=hashes)
-    assert placement_key(prompt, roomy, 0, 0.125) > placement_key(prompt, cached, 0, 0.125)
-    # Same bucket of free room (8 blocks per bucket): the cached prefix decides.
-    near, cached_near = view(free=41), view(free=40, cached=hashes)
-    assert placement_key(prompt, cached_near, 0, 0.125) > placement_key(prompt, near, 0, 0.125)
-    assert placement_key(prompt, cached_near, 0, 0.125)[1] == 3  # the last token is never cached
+    assert len(hashes) == 3
+    assert net_free_blocks(prompt, 1, view(free=40), 0) == (35, 0)
+    assert net_free_blocks(prompt, 1, view(free=40, cached=hashes), 0) == (38, 3)
+    assert net_free_blocks(prompt, 1, view(free=40, cached=hashes), 5) == (33, 3)
+
+
+def test_net_free_blocks_reserves_the_whole_answer():
+    prompt = list(range(100, 164))
+    assert net_free_blocks(prompt, 64, view(free=40), 0) == (32, 0)  # 128 tokens: 8 blocks
+    # Unset max_tokens: the answer may run to max_model_len (1024 tokens, 64 blocks).
+    assert net_free_blocks(prompt, None, view(free=40), 0) == (-24, 0)
 
 
 def test_a_prefix_counts_only_up_to_the_first_missing_block():
     prompt = list(range(200, 280))
     hashes = hash_full_blocks(prompt[:-1], 16)
-    holes = view(free=32, cached=[hashes[0], hashes[2], hashes[3]])
-    assert placement_key(prompt, holes, 0, 0.125)[1] == 1
+    assert net_free_blocks(prompt, 1, view(free=32, cached=[hashes[0], hashes[2], hashes[3]]), 0)[1] == 1
+
+
+def test_much_more_room_beats_a_cached_prefix():
+    prompt = list(range(100, 164))
+    hashes = hash_full_blocks(prompt[:-1], 16)
+    k = keys(prompt, {"roomy": view(free=60), "cached": view(free=40, cached=hashes)})
+    assert k["roomy"] > k["cached"]
+
+
+def test_within_the_slack_of_the_roomiest_the_cached_prefix_decides():
+    prompt = list(range(100, 164))
+    hashes = hash_full_blocks(prompt[:-1], 16)
+    k = keys(prompt, {"near": view(free=45), "cached": view(free=40, cached=hashes)})
+    assert k["cached"] > k["near"]
+    # No prefix anywhere: the tie is left to Serve's queue-length comparison.
+    k = keys(prompt, {"a": view(free=45), "b": view(free=40)})
+    assert k["a"] == k["b"]
 
 
 def test_promised_blocks_count_against_a_replica():
     prompt = list(range(300, 332))
-    assert placement_key(prompt, view(free=40), 24, 0.125) < placement_key(prompt, view(free=30), 0, 0.125)
+    k = keys(prompt, {"a": view(free=40), "b": view(free=30)}, promised={"a": 24})
+    assert k["b"] > k["a"]
 
 
 def test_group_ranks_best_first_and_ties_share_a_rank():
@@ -102,12 +139,14 @@ def random_prompt(rng: random.Random, n: int) -> list[int]:
 
 
 def test_new_requests_go_to_the_replica_with_more_free_blocks(router_app):
-    """One long request fills most of replica A's cache. Every short request after it
-    must go to B, even once B holds more ongoing requests than A (where power-of-two
-    choices, which compares queue lengths, would pick A)."""
+    """One long request fills most of replica A's cache (and reserves nearly all of it
+    for its answer). Every short request after it must go to B, even once B holds more
+    ongoing requests than A (where power-of-two choices, which compares queue lengths,
+    would pick A)."""
     rng = random.Random(0)
     params = {"max_tokens": 300, "ignore_eos": True, "temperature": 0}
     big = router_app.options(stream=True).generate.remote(random_prompt(rng, 620), params)
+    small_params = {**params, "max_tokens": 40}
     streams = [big]
     try:
         filled = next(big)["replica_id"]
@@ -115,7 +154,7 @@ def test_new_requests_go_to_the_replica_with_more_free_blocks(router_app):
         wait_for(lambda: snapshot().get(filled, {}).get("num_free_blocks", NUM_BLOCKS) <= NUM_BLOCKS - 39)
         time.sleep(0.3)  # the router's copy refreshes every 100 ms
         for _ in range(5):
-            small = router_app.options(stream=True).generate.remote(random_prompt(rng, 20), params)
+            small = router_app.options(stream=True).generate.remote(random_prompt(rng, 20), small_params)
             streams.append(small)
             assert next(small)["replica_id"] != filled
     finally:
