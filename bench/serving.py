@@ -1,13 +1,15 @@
 """Online serving over HTTP: latency under Poisson load, and the KV-aware router against
-Serve's default power-of-two router. Every experiment deploys a fresh 2-replica app on
-a local Ray and drives it with streaming requests (SSE), timing each token event.
+Serve's default power-of-two router. Every experiment deploys a fresh app (2 replicas
+unless said) on a local Ray and drives it with streaming requests (SSE), timing each
+token event.
 
   rates    Poisson arrivals at several rates (KV router): TTFT and inter-token latency
            p50/p99, output throughput.
   routing  Small KV caches and a mix of long and short prompts, the same arrival
            schedule for both routers: p99 TTFT and preemptions.
-  prefix   Multi-turn chats, each turn sent once the previous reply is in: the replicas'
-           prefix-cache hit rate (cached blocks / queried blocks) under both routers.
+  prefix   Multi-turn chats, each turn sent once the previous reply is in and the user
+           has thought: the replicas' prefix-cache hit rate (cached blocks / queried
+           blocks) under both routers, with 2 and with 4 replicas.
 
     python bench/serving.py            # writes bench/results/serving_cpu.{json,png}
     python bench/serving.py --quick    # smoke run
@@ -149,7 +151,7 @@ def latency_summary(results: list[Result], seconds: float) -> dict:
 
 
 class App:
-    """A fresh 2-replica app; `totals()` sums the replicas' engine counters."""
+    """A freshly deployed app; `totals()` sums its replicas' engine counters."""
 
     def __init__(self, name: str, router: str, engine_args: dict, replicas: int = 2):
         self.name = name
@@ -212,20 +214,27 @@ def run_routing(args) -> dict:
 
 
 def run_prefix(args) -> dict:
+    """Hit rates with 2 and with 4 replicas: with 2, a random pick lands on the replica
+    holding the conversation half the time, so power-of-two is at its strongest there."""
     out = {}
-    for router in ("kv", "pow2"):
-        app = App(f"bench-prefix-{router}", router, {**args.engine, "num_kv_blocks": args.prefix_kv_blocks})
-        start = time.perf_counter()
-        results = asyncio.run(conversations(app.base_url, args, seed=11))
-        totals = app.totals()
-        out[router] = {
-            **latency_summary(results, time.perf_counter() - start),
-            **totals,
-            "hit_rate": totals["prefix_cache_hits"] / max(1, totals["prefix_cache_queries"]),
-        }
-        app.close()
-        print(f"prefix {router}: {out[router]}", flush=True)
-    out["hit_rate_kv_over_pow2"] = out["kv"]["hit_rate"] / max(1e-9, out["pow2"]["hit_rate"])
+    for replicas in args.prefix_replicas:
+        runs = {}
+        for router in ("kv", "pow2"):
+            name = f"bench-prefix-{router}-{replicas}"
+            engine = {**args.engine, "num_kv_blocks": args.prefix_kv_blocks}
+            app = App(name, router, engine, replicas=replicas)
+            start = time.perf_counter()
+            results = asyncio.run(conversations(app.base_url, args, seed=11))
+            totals = app.totals()
+            runs[router] = {
+                **latency_summary(results, time.perf_counter() - start),
+                **totals,
+                "hit_rate": totals["prefix_cache_hits"] / max(1, totals["prefix_cache_queries"]),
+            }
+            app.close()
+            print(f"prefix {router} x{replicas}: {runs[router]}", flush=True)
+        runs["hit_rate_kv_over_pow2"] = runs["kv"]["hit_rate"] / max(1e-9, runs["pow2"]["hit_rate"])
+        out[f"replicas_{replicas}"] = runs
     return out
 
 
@@ -259,10 +268,15 @@ def plot(result: dict, path: Path) -> None:
         ylabel="p99 TTFT (s)",
         title=f"Long/short mix, small KV: kv/pow2 = {routing['p99_ttft_kv_over_pow2']:.2f}",
     )
-    prefix = result["prefix"]
-    c.bar(names, [prefix[n]["hit_rate"] for n in names], color=["tab:green", "tab:gray"])
-    c.set(ylabel="prefix-cache hit rate", ylim=(0, 1))
-    c.set(title=f"Multi-turn chats: kv/pow2 = {prefix['hit_rate_kv_over_pow2']:.2f}x")
+    groups = list(result["prefix"].items())
+    width = 0.38
+    for offset, router, color in ((-width / 2, "kv", "tab:green"), (width / 2, "pow2", "tab:gray")):
+        xs = [i + offset for i in range(len(groups))]
+        c.bar(xs, [runs[router]["hit_rate"] for _, runs in groups], width, label=router, color=color)
+    labels = [f"{k.split('_')[1]} replicas\nkv/pow2 = {r['hit_rate_kv_over_pow2']:.2f}x" for k, r in groups]
+    c.set_xticks(range(len(groups)), labels)
+    c.set(ylabel="prefix-cache hit rate", ylim=(0, 1), title="Multi-turn chats")
+    c.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -276,10 +290,10 @@ def main() -> None:
     parser.add_argument("--rates-prompt", type=int, default=128)
     parser.add_argument("--rates-output", type=int, default=32)
     parser.add_argument("--rates-kv-blocks", type=int, default=512)
-    parser.add_argument("--routing-requests", type=int, default=100)
-    parser.add_argument("--routing-rate", type=float, default=0.8)
-    parser.add_argument("--long-fraction", type=float, default=0.25)
-    parser.add_argument("--long-prompt", type=int, default=384)
+    parser.add_argument("--routing-requests", type=int, default=150)
+    parser.add_argument("--routing-rate", type=float, default=1.0)
+    parser.add_argument("--long-fraction", type=float, default=0.1)
+    parser.add_argument("--long-prompt", type=int, default=448)
     parser.add_argument("--short-prompt", type=int, default=32)
     parser.add_argument("--routing-output", type=int, default=48)
     parser.add_argument("--routing-kv-blocks", type=int, default=40)
@@ -289,7 +303,8 @@ def main() -> None:
     parser.add_argument("--reply-tokens", type=int, default=24)
     parser.add_argument("--think-time", type=float, default=2.0, help="mean seconds between turns")
     parser.add_argument("--chat-stagger", type=float, default=0.5, help="seconds between chat starts")
-    parser.add_argument("--prefix-kv-blocks", type=int, default=80)
+    parser.add_argument("--prefix-kv-blocks", type=int, default=128)
+    parser.add_argument("--prefix-replicas", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--only", choices=["rates", "routing", "prefix"], nargs="+")
     parser.add_argument("--out", type=Path, default=RESULTS / "serving_cpu.json")
     parser.add_argument("--quick", action="store_true", help="tiny smoke run")
@@ -297,12 +312,12 @@ def main() -> None:
     args.engine = {"dtype": "bfloat16", "device": "cpu", "block_size": 16}
     if args.quick:
         args.rates, args.rates_requests, args.routing_requests = [2.0], 6, 8
-        args.chats, args.turns = 2, 2
+        args.chats, args.turns, args.prefix_replicas = 2, 2, [2]
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     result = {
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "replicas": 2},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
         "config": {k: v for k, v in vars(args).items() if k not in ("out", "only")},
     }
     try:
