@@ -2,7 +2,7 @@
 VENV ?= .venv
 PROMPT ?= Write a haiku about paged memory.
 
-.PHONY: setup run generate test lint bench bench-serving
+.PHONY: setup run generate test lint bench bench-serving protos
 
 setup:
 	./scripts/setup.sh
@@ -24,3 +24,7 @@ bench: setup
 
 bench-serving: setup
 	HF_HUB_OFFLINE=1 $(VENV)/bin/python bench/serving.py
+
+# Regenerate the gRPC modules from router/protos/kvserve.proto (tests fail when they are stale).
+protos: setup
+	$(VENV)/bin/python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. router/protos/kvserve.proto

@@ -12,6 +12,9 @@ from router.coordinator import coordinator_address
 from router.http import OpenAIIngress
 from router.kv_router import KVAwareRouter
 
+# For Serve's gRPC proxy (`grpc_options.grpc_servicer_functions`).
+GRPC_SERVICER = "router.protos.kvserve_pb2_grpc.add_LLMServicer_to_server"
+
 
 class AppConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -29,6 +32,14 @@ class AppConfig(BaseModel):
     # file's `http_options` decide instead: the proxy belongs to the cluster, not the app.
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
+    grpc_port: int = Field(default=9000, ge=1, le=65535)
+    # Requests one replica works on at once, and requests queued in callers for the
+    # replicas beyond that (-1: unbounded); past the queue, HTTP 429 / RESOURCE_EXHAUSTED.
+    max_ongoing_requests: int = Field(default=256, ge=1)
+    max_queued_requests: int = Field(default=-1, ge=-1)
+    # Clients must send one of these (HTTP `Authorization: Bearer`, gRPC metadata
+    # `authorization`); empty: no keys. Prefer the KVSERVE_API_KEYS variable of `kvserve serve`.
+    api_keys: list[str] = Field(default_factory=list, repr=False)
 
     @property
     def model_name(self) -> str:
@@ -47,7 +58,9 @@ def build_app(config: AppConfig | dict) -> Application:
         )
     llm = LLMServer.options(
         num_replicas=config.replicas,
+        max_ongoing_requests=config.max_ongoing_requests,
+        max_queued_requests=config.max_queued_requests,
         ray_actor_options={"num_cpus": config.num_cpus_per_replica, "num_gpus": config.num_gpus_per_replica},
         **options,
     ).bind({**config.engine_args, "model": config.model}, coordinator)
-    return OpenAIIngress.bind(llm, config.model_name, config.model, coordinator)
+    return OpenAIIngress.bind(llm, config.model_name, config.model, coordinator, config.api_keys)

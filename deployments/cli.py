@@ -44,6 +44,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     srv.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1, local only)")
     srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--grpc-port", type=int, default=9000)
+    srv.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="require this key (repeatable); KVSERVE_API_KEYS takes comma-separated keys too",
+    )
     srv.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
 
     args = parser.parse_args(argv)
@@ -85,7 +92,7 @@ def _serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from deployments.app import AppConfig, build_app
+    from deployments.app import GRPC_SERVICER, AppConfig, build_app
 
     try:
         config = AppConfig(
@@ -95,6 +102,9 @@ def _serve(args: argparse.Namespace) -> int:
             router=args.router,
             host=args.host,
             port=args.port,
+            grpc_port=args.grpc_port,
+            api_keys=args.api_key
+            + [k for k in os.environ.get("KVSERVE_API_KEYS", "").split(",") if k.strip()],
             engine_args={"dtype": args.dtype, "kv_cache_memory_gb": args.kv_cache_memory_gb},
         )
     except ValueError as e:
@@ -104,12 +114,17 @@ def _serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     ray.init(include_dashboard=False)  # joins a running cluster, else starts a local Ray
     try:
-        serve.start(http_options={"host": config.host, "port": config.port})
+        serve.start(
+            http_options={"host": config.host, "port": config.port},
+            grpc_options={"port": config.grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]},
+        )
         serve.run(build_app(config), name=config.app_name, route_prefix="/")
         url = f"http://{config.host}:{config.port}"
         print(f"kvserve is serving {config.model_name} at {url}/v1 (Ctrl-C stops it)")
         body = json.dumps({"model": config.model_name, "messages": [{"role": "user", "content": "Hi!"}]})
-        print(f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'", flush=True)
+        auth = " -H 'Authorization: Bearer $KEY'" if config.api_keys else ""
+        print(f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'")
+        print(f"  gRPC (service kvserve.LLM) on {config.host}:{config.grpc_port}", flush=True)
         while not stop.wait(1.0):
             pass
     except KeyboardInterrupt:

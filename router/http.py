@@ -1,6 +1,8 @@
 """The OpenAI-compatible HTTP ingress: validate, apply the chat template, tokenize, and
-stream the replica's deltas back as JSON or server-sent events."""
+stream the replica's deltas back as JSON or server-sent events. The same deployment
+serves the gRPC API (router/grpc_api.py)."""
 
+import hmac
 import json
 import time
 import uuid
@@ -16,23 +18,18 @@ from transformers import AutoTokenizer
 
 from replica.model_loader import resolve_model
 from router.coordinator import get_coordinator
-from router.metrics import RequestTimer, ServingMetrics
+from router.generation import APIError, Generation, start_generation
+from router.grpc_api import GrpcAPI
+from router.metrics import ServingMetrics
 from router.protocol import ChatCompletionRequest, CompletionRequest
 
 app = FastAPI(title="kvserve")
 
 
-class APIError(Exception):
-    def __init__(
-        self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"
-    ):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
-
-
 def error_response(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
     body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
-    return JSONResponse(body, status_code=status)
+    headers = {"Retry-After": "1"} if status == 429 else None
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 @app.exception_handler(APIError)
@@ -48,30 +45,20 @@ async def _validation_error(request: Request, e: RequestValidationError):
     return error_response(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}", where)
 
 
-async def _sse(
-    formatter: "_Formatter", first: dict, stream, timer: RequestTimer, include_usage: bool
-) -> AsyncIterator[str]:
+async def _sse(formatter: "_Formatter", generation: Generation, include_usage: bool) -> AsyncIterator[str]:
     """Server-sent events; closing early (client gone) cancels the replica stream."""
     try:
         if formatter.chat:
             yield _event(formatter.chunk({"role": "assistant", "content": ""}, None, None))
-        last = first
-        async for chunk in _prepend(first, stream, timer):
+        last = generation.first
+        async for chunk in generation.chunks():
             last = chunk
             yield _event(formatter.delta(chunk))
         if include_usage:
             yield _event({**formatter.chunk(None, None, None), "choices": [], "usage": _usage(last)})
         yield "data: [DONE]\n\n"
     finally:
-        stream.cancel()
-
-
-async def _prepend(first: dict, stream, timer: RequestTimer) -> AsyncIterator[dict]:
-    timer.on_chunk(first)
-    yield first
-    async for chunk in stream:
-        timer.on_chunk(chunk)
-        yield chunk
+        generation.cancel()
 
 
 def _event(payload: dict) -> str:
@@ -81,14 +68,6 @@ def _event(payload: dict) -> str:
 def _usage(last: dict) -> dict:
     prompt, completion = last["num_prompt_tokens"], last["num_output_tokens"]
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def _as_api_error(e: Exception) -> APIError:
-    cause = getattr(e, "cause", None) or e  # Ray wraps the replica's exception
-    if isinstance(cause, ValueError):
-        message = str(cause).strip().splitlines()[-1] if str(cause).strip() else "invalid request"
-        return APIError(400, message)
-    return APIError(503, f"replica unavailable: {type(e).__name__}", kind="server_error")
 
 
 class _Formatter:
@@ -165,19 +144,22 @@ class _Formatter:
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)
 @serve.ingress(app)
-class OpenAIIngress:
+class OpenAIIngress(GrpcAPI):
     def __init__(
         self,
         llm: DeploymentHandle,
         model_name: str,
         model: str | None = None,
         coordinator: tuple[str, str] | None = None,
+        api_keys: list[str] | None = None,
     ):
+        """api_keys: when given, /v1/* and every gRPC call need one of them."""
         self.llm = llm
         self.coordinator = get_coordinator(coordinator) if coordinator else None
         self.metrics = ServingMetrics(model_name)
         self.model_name = model_name
         self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(model))
+        self._api_keys = [key.encode() for key in api_keys or []]
 
     @app.get("/health")
     async def health(self) -> dict:
@@ -189,28 +171,35 @@ class OpenAIIngress:
         return Response(self.metrics.exposition(snapshot), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
-    async def models(self) -> dict:
+    async def models(self, request: Request) -> dict:
+        self._check_auth(request.headers.get("authorization"))
         card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "kvserve"}
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions")
-    async def completions(self, body: CompletionRequest):
-        self._check_model(body.model)
-        params = body.sampling_params(body.max_tokens, body.logprobs)
-        # Token ids, not text, go to the replicas: the KV router hashes them into blocks.
-        prompt = self.tokenizer(body.prompt).input_ids if isinstance(body.prompt, str) else body.prompt
+    async def completions(self, body: CompletionRequest, request: Request):
+        self._check_auth(request.headers.get("authorization"))
+        prompt, params = self._completion_input(body)
         return await self._respond(body, prompt, params, chat=False)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(self, body: ChatCompletionRequest):
-        self._check_model(body.model)
-        if self.tokenizer.chat_template is None:
-            raise APIError(400, "this model has no chat template; use /v1/completions")
-        messages = [m.model_dump() for m in body.messages]
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        prompt = self.tokenizer(text, add_special_tokens=False).input_ids
-        params = body.sampling_params(body.max_completion_tokens or body.max_tokens, body.num_logprobs)
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request):
+        self._check_auth(request.headers.get("authorization"))
+        prompt, params = self._chat_input(body)
         return await self._respond(body, prompt, params, chat=True)
+
+    def _check_auth(self, authorization: str | None) -> None:
+        """Raises 401 unless keys are off or `authorization` is "Bearer <a key>".
+        Every key is compared, in constant time, so timing reveals nothing."""
+        if not self._api_keys:
+            return
+        scheme, _, token = (authorization or "").partition(" ")
+        given = token.strip().encode() if scheme.lower() == "bearer" else b""
+        matched = False
+        for key in self._api_keys:
+            matched |= hmac.compare_digest(given, key)
+        if not matched:
+            raise APIError(401, "missing or invalid API key", kind="authentication_error")
 
     def _check_model(self, model: str) -> None:
         if model != self.model_name:
@@ -221,25 +210,38 @@ class OpenAIIngress:
                 "not_found_error",
             )
 
-    async def _respond(self, body, prompt, params: dict, chat: bool):
-        timer = self.metrics.timer()
-        stream = self.llm.options(stream=True).generate.remote(prompt, params)
-        try:
-            first = await stream.__anext__()  # surfaces validation errors before any byte is sent
-        except StopAsyncIteration:
-            raise APIError(500, "the replica returned no output", kind="server_error") from None
-        except Exception as e:
-            stream.cancel()
-            raise _as_api_error(e) from e
+    def _completion_input(self, body: CompletionRequest) -> tuple[list[int], dict]:
+        """(prompt token ids, sampling params) for the replica. Token ids, not text, go to
+        the replicas: the KV router hashes them into blocks."""
+        self._check_model(body.model)
+        params = body.sampling_params(body.max_tokens, body.logprobs)
+        prompt = self.tokenizer(body.prompt).input_ids if isinstance(body.prompt, str) else body.prompt
+        return prompt, params
+
+    def _chat_input(self, body: ChatCompletionRequest) -> tuple[list[int], dict]:
+        self._check_model(body.model)
+        if self.tokenizer.chat_template is None:
+            raise APIError(400, "this model has no chat template; use /v1/completions")
+        messages = [m.model_dump() for m in body.messages]
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompt = self.tokenizer(text, add_special_tokens=False).input_ids
+        params = body.sampling_params(body.max_completion_tokens or body.max_tokens, body.num_logprobs)
+        return prompt, params
+
+    async def _start(self, prompt: list[int], params: dict) -> Generation:
+        return await start_generation(self.llm, self.metrics, prompt, params)
+
+    async def _respond(self, body, prompt: list[int], params: dict, chat: bool):
+        generation = await self._start(prompt, params)
         response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         formatter = _Formatter(response_id, self.model_name, chat, self.tokenizer)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
-                _sse(formatter, first, stream, timer, include_usage), media_type="text/event-stream"
+                _sse(formatter, generation, include_usage), media_type="text/event-stream"
             )
         try:
-            chunks = [chunk async for chunk in _prepend(first, stream, timer)]
+            chunks = [chunk async for chunk in generation.chunks()]
         finally:
-            stream.cancel()
+            generation.cancel()
         return formatter.whole(chunks)

@@ -38,17 +38,24 @@ def llm_fp32(model_path):
 
 
 SERVE_HTTP_PORT = 18431
+SERVE_GRPC_PORT = 18432
 
 
 @pytest.fixture(scope="session")
 def ray_cluster():
     """One local Ray and Serve for the whole test session (2 CPUs, no dashboard);
-    Serve's HTTP proxy listens on 127.0.0.1:SERVE_HTTP_PORT."""
+    Serve's HTTP proxy listens on 127.0.0.1:SERVE_HTTP_PORT, its gRPC proxy on
+    SERVE_GRPC_PORT."""
     ray = pytest.importorskip("ray")
     from ray import serve
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": SERVE_HTTP_PORT})
+    from deployments.app import GRPC_SERVICER
+
+    serve.start(
+        http_options={"host": "127.0.0.1", "port": SERVE_HTTP_PORT},
+        grpc_options={"port": SERVE_GRPC_PORT, "grpc_servicer_functions": [GRPC_SERVICER]},
+    )
     yield ray
     serve.shutdown()
     ray.shutdown()

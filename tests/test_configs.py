@@ -7,7 +7,7 @@ import yaml
 from ray.serve import Application
 from ray.serve.schema import ServeDeploySchema
 
-from deployments.app import AppConfig, build_app
+from deployments.app import GRPC_SERVICER, AppConfig, build_app
 from replica.config import EngineConfig
 
 CONFIGS = sorted((Path(__file__).parent.parent / "deployments" / "configs").glob("*.yaml"))
@@ -22,6 +22,7 @@ def test_config_is_a_valid_serve_config_that_builds_the_app(path):
     schema = ServeDeploySchema.model_validate(yaml.safe_load(path.read_text()))
     (app,) = schema.applications
     assert app.import_path == "deployments.app:build_app"
+    assert schema.grpc_options.grpc_servicer_functions == [GRPC_SERVICER]
     config = AppConfig.model_validate(app.args)
     EngineConfig.from_kwargs(**config.engine_args)  # every engine argument is a real field
     assert isinstance(build_app(config), Application)

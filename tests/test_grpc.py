@@ -1,0 +1,205 @@
+"""The gRPC API through Ray Serve's own gRPC proxy, called with real generated stubs."""
+
+import concurrent.futures
+import time
+
+import grpc
+import httpx
+import pytest
+import ray
+from conftest import SERVE_GRPC_PORT, SERVE_HTTP_PORT
+from ray import serve
+
+from deployments.app import build_app
+from router.coordinator import coordinator_address, get_coordinator
+from router.protos import kvserve_pb2 as pb
+from router.protos import kvserve_pb2_grpc as pb_grpc
+
+APP = "grpc-test"
+MODEL = "SmolLM2-135M-Instruct"
+PROMPT = "The three primary colours are"
+
+
+def deploy(name: str, **config) -> None:
+    engine = {"dtype": "float32", "kv_cache_memory_gb": 0.25, **config.pop("engine_args", {})}
+    app = build_app({"app_name": name, "served_model_name": MODEL, "engine_args": engine, **config})
+    serve.run(app, name=name, route_prefix=f"/{name}")
+
+
+def undeploy(name: str) -> None:
+    serve.delete(name)
+    ray.kill(get_coordinator(coordinator_address(name)))
+
+
+@pytest.fixture(scope="module")
+def stub(ray_cluster, model_path):
+    deploy(APP, model=str(model_path))
+    channel = grpc.insecure_channel(f"127.0.0.1:{SERVE_GRPC_PORT}")
+    yield pb_grpc.LLMStub(channel)
+    channel.close()
+    undeploy(APP)
+
+
+def meta(app: str = APP, key: str | None = None) -> list[tuple[str, str]]:
+    pairs = [("application", app)]
+    if key is not None:
+        pairs.append(("authorization", f"Bearer {key}"))
+    return pairs
+
+
+def greedy(max_tokens: int = 12, **extra) -> pb.SamplingParams:
+    return pb.SamplingParams(max_tokens=max_tokens, temperature=0, **extra)
+
+
+def test_list_models(stub):
+    assert [m.id for m in stub.ListModels(pb.ListModelsRequest(), metadata=meta()).models] == [MODEL]
+
+
+def test_unary_and_stream_agree_and_match_http(stub):
+    request = pb.GenerateRequest(model=MODEL, prompt=PROMPT, params=greedy(logprobs=2))
+    unary = stub.Generate(request, metadata=meta())
+    pieces = list(stub.GenerateStream(request, metadata=meta()))
+    assert unary.text and unary.finish_reason == "length"
+    assert "".join(p.text for p in pieces) == unary.text
+    assert [t for p in pieces for t in p.token_ids] == list(unary.token_ids)
+    assert pieces[-1].finish_reason == "length" and pieces[-1].usage.completion_tokens == 12
+    assert unary.usage.total_tokens == unary.usage.prompt_tokens + 12
+    assert len(unary.logprobs) == 12 and all(len(lp.top_logprobs) >= 1 for lp in unary.logprobs)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
+    http = httpx.post(
+        f"http://127.0.0.1:{SERVE_HTTP_PORT}/{APP}/v1/completions", json=body, timeout=60
+    ).json()
+    assert http["choices"][0]["text"] == unary.text
+
+
+def test_chat_unary_and_stream(stub):
+    request = pb.ChatRequest(
+        model=MODEL,
+        messages=[pb.ChatMessage(role="user", content="Name a fruit.")],
+        params=pb.SamplingParams(max_tokens=16, temperature=0.7, seed=3, stop=["\n"]),
+    )
+    unary = stub.Chat(request, metadata=meta())
+    streamed = "".join(p.text for p in stub.ChatStream(request, metadata=meta()))
+    assert unary.text and streamed == unary.text  # same seed, same text
+    assert "\n" not in unary.text
+
+
+def expect_status(call, code: grpc.StatusCode, fragment: str) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        result = call()
+        if not hasattr(result, "text"):  # a stream: errors surface while iterating
+            list(result)
+    assert info.value.code() == code, info.value.details()
+    assert fragment in info.value.details()
+
+
+def test_invalid_argument_and_not_found(stub):
+    bad = pb.GenerateRequest(model=MODEL, prompt=PROMPT, params=pb.SamplingParams(temperature=5))
+    expect_status(
+        lambda: stub.Generate(bad, metadata=meta()), grpc.StatusCode.INVALID_ARGUMENT, "temperature"
+    )
+    expect_status(
+        lambda: stub.GenerateStream(bad, metadata=meta()), grpc.StatusCode.INVALID_ARGUMENT, "temperature"
+    )
+    too_long = pb.GenerateRequest(model=MODEL, prompt="word " * 20000, params=greedy())
+    expect_status(lambda: stub.Generate(too_long, metadata=meta()), grpc.StatusCode.INVALID_ARGUMENT, "")
+    empty_chat = pb.ChatRequest(model=MODEL)
+    expect_status(
+        lambda: stub.Chat(empty_chat, metadata=meta()), grpc.StatusCode.INVALID_ARGUMENT, "messages"
+    )
+    unknown = pb.GenerateRequest(model="gpt-5", prompt=PROMPT)
+    expect_status(lambda: stub.Generate(unknown, metadata=meta()), grpc.StatusCode.NOT_FOUND, "gpt-5")
+
+
+def llm_stats(app: str) -> dict:
+    return serve.get_deployment_handle("LLMServer", app_name=app).stats.remote().result()
+
+
+def test_cancel_mid_stream_frees_blocks(stub):
+    total = llm_stats(APP)["num_total_blocks"]
+    request = pb.GenerateRequest(model=MODEL, prompt=PROMPT, params=greedy(max_tokens=2000, ignore_eos=True))
+    stream = stub.GenerateStream(request, metadata=meta())
+    next(stream)
+    assert llm_stats(APP)["num_free_blocks"] < total
+    stream.cancel()
+    deadline = time.monotonic() + 30
+    while llm_stats(APP)["num_free_blocks"] != total:
+        assert time.monotonic() < deadline, "blocks were not freed after the cancel"
+        time.sleep(0.1)
+    assert llm_stats(APP)["num_running"] == 0
+
+
+def test_16_concurrent_streams(stub):
+    def run(i: int) -> str:
+        request = pb.GenerateRequest(model=MODEL, prompt=f"Count to {i}:", params=greedy(max_tokens=8))
+        return "".join(p.text for p in stub.GenerateStream(request, metadata=meta()))
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        texts = list(pool.map(run, range(16)))
+    singles = [
+        stub.Generate(
+            pb.GenerateRequest(model=MODEL, prompt=f"Count to {i}:", params=greedy(8)), metadata=meta()
+        )
+        for i in (0, 15)
+    ]
+    assert texts[0] == singles[0].text and texts[15] == singles[1].text
+    assert all(texts)
+
+
+def test_unauthenticated_without_the_key(ray_cluster, model_path):
+    deploy("grpc-keys", model=str(model_path), api_keys=["k-one", "k-two"])
+    try:
+        stub = pb_grpc.LLMStub(grpc.insecure_channel(f"127.0.0.1:{SERVE_GRPC_PORT}"))
+        request = pb.GenerateRequest(model=MODEL, prompt=PROMPT, params=greedy(4))
+        for key in (None, "wrong"):
+            expect_status(
+                lambda key=key: stub.Generate(request, metadata=meta("grpc-keys", key)),
+                grpc.StatusCode.UNAUTHENTICATED,
+                "API key",
+            )
+        assert stub.Generate(request, metadata=meta("grpc-keys", "k-two")).text
+        url = f"http://127.0.0.1:{SERVE_HTTP_PORT}/grpc-keys/v1/models"
+        assert httpx.get(url).status_code == 401
+        assert httpx.get(url, headers={"Authorization": "Bearer k-one"}).status_code == 200
+    finally:
+        undeploy("grpc-keys")
+
+
+def test_resource_exhausted_and_unavailable(ray_cluster, model_path):
+    """One replica that takes one request at a time and queues one more: a third
+    concurrent request is refused. Then the replica is killed mid-stream."""
+    deploy("grpc-busy", model=str(model_path), max_ongoing_requests=1, max_queued_requests=1)
+    try:
+        stub = pb_grpc.LLMStub(grpc.insecure_channel(f"127.0.0.1:{SERVE_GRPC_PORT}"))
+        long = pb.GenerateRequest(model=MODEL, prompt=PROMPT, params=greedy(max_tokens=2000, ignore_eos=True))
+        first = stub.GenerateStream(long, metadata=meta("grpc-busy"))
+        next(first)
+        second = stub.GenerateStream(long, metadata=meta("grpc-busy"))
+        time.sleep(1.0)  # let the second one take the only queue slot
+        expect_status(
+            lambda: stub.Generate(long, metadata=meta("grpc-busy")),
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "overloaded",
+        )
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4}
+        http = httpx.post(
+            f"http://127.0.0.1:{SERVE_HTTP_PORT}/grpc-busy/v1/completions", json=body, timeout=60
+        )
+        assert http.status_code == 429 and http.headers["retry-after"] == "1"
+        assert http.json()["error"]["type"] == "rate_limit_error"
+        second.cancel()
+        replica = ray.get_actor(_replica_actor_name("grpc-busy"), namespace="serve")
+        ray.kill(replica, no_restart=True)
+        with pytest.raises(grpc.RpcError) as info:
+            list(first)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
+    finally:
+        undeploy("grpc-busy")
+
+
+def _replica_actor_name(app: str) -> str:
+    """Serve names replica actors SERVE_REPLICA::<app>#<deployment>#<id>; the
+    coordinator knows the ids."""
+    namespace, name = coordinator_address(app)
+    (replica_id,) = ray.get(ray.get_actor(name, namespace=namespace).snapshot.remote())
+    return f"SERVE_REPLICA::{app}#LLMServer#{replica_id}"
