@@ -4,7 +4,12 @@ import subprocess
 import sys
 import time
 
+import grpc
 import openai
+import pytest
+
+from router.protos import kvserve_pb2 as pb
+from router.protos import kvserve_pb2_grpc as pb_grpc
 
 
 def _kvserve(*args):
@@ -30,8 +35,8 @@ def test_bad_model_is_a_clear_error(tmp_path):
 
 
 def test_serve_answers_then_shuts_down_cleanly(tmp_path):
-    port = 18477
-    env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_ADDRESS="local")
+    port, grpc_port = 18477, 18478
+    env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_ADDRESS="local", KVSERVE_API_KEYS="secret-1")
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -40,6 +45,8 @@ def test_serve_answers_then_shuts_down_cleanly(tmp_path):
             "serve",
             "--port",
             str(port),
+            "--grpc-port",
+            str(grpc_port),
             "--dtype",
             "float32",
             "--kv-cache-memory-gb",
@@ -56,11 +63,17 @@ def test_serve_answers_then_shuts_down_cleanly(tmp_path):
         while "serving" not in banner and time.time() < deadline and proc.poll() is None:
             banner = proc.stdout.readline()
         assert "serving SmolLM2-135M-Instruct" in banner
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="secret-1", max_retries=0)
         out = client.chat.completions.create(
             model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "Say hi."}], max_tokens=8
         )
         assert out.choices[0].message.content
+        with pytest.raises(openai.AuthenticationError):
+            client.with_options(api_key="wrong").models.list()
+        stub = pb_grpc.LLMStub(grpc.insecure_channel(f"127.0.0.1:{grpc_port}"))
+        metadata = [("application", "kvserve"), ("authorization", "Bearer secret-1")]
+        models = stub.ListModels(pb.ListModelsRequest(), metadata=metadata)
+        assert [m.id for m in models.models] == ["SmolLM2-135M-Instruct"]
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=120) == 0
