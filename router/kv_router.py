@@ -5,9 +5,11 @@ coordinator; this router keeps a copy of the coordinator's snapshot, refreshed i
 background, so nothing on the request path waits on the coordinator. For each request
 it ranks replicas by
 
-1. free KV blocks net of what the prompt needs (compared in steps of `slack_fraction`
-   of the cache below the roomiest replica, so that replicas with about the same room
-   tie and the next key decides between them);
+1. free KV blocks net of what the request needs: its prompt less the cached prefix,
+   plus its max_tokens, against the replica's free blocks less what its own requests
+   will still take (compared in steps of `slack_fraction` of the cache below the
+   roomiest replica, so that replicas with about the same room tie and the next key
+   decides between them);
 2. then the longest cached prefix of the prompt;
 3. then queue length: replicas that tie on both keys form one rank, and Serve picks
    the one with the fewest ongoing requests within it.
@@ -85,8 +87,8 @@ def net_free_blocks(
     prompt: Sequence[int], max_tokens: int | None, view: ReplicaView, promised_blocks: int
 ) -> tuple[int, int]:
     """(free blocks left once this request has all it may take, leading prompt blocks
-    already cached). Like the engine, an unset max_tokens means up to max_model_len."""
-    # Like the engine, never count the last prompt token as cacheable.
+    already cached). Like the engine, an unset max_tokens means up to max_model_len,
+    and the last prompt token is never served from cache."""
     hits = cached_prefix_blocks(hash_full_blocks(prompt[:-1], view.block_size), view)
     room = max(0, view.max_model_len - len(prompt))
     final_len = len(prompt) + min(max_tokens or room, room)
