@@ -4,8 +4,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from ray.serve import Application
-from ray.serve.config import RequestRouterConfig
+from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
 
+from deployments.autoscaling import KVPressurePolicy
 from replica.deployment import LLMServer
 from replica.model_loader import BUNDLED_NAME
 from router.coordinator import coordinator_address
@@ -16,13 +17,28 @@ from router.kv_router import KVAwareRouter
 GRPC_SERVICER = "router.protos.kvserve_pb2_grpc.add_LLMServicer_to_server"
 
 
+class Autoscaling(BaseModel):
+    """Replicas follow KV pressure (deployments/autoscaling.py) between these bounds."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_replicas: int = Field(default=1, ge=0)
+    max_replicas: int = Field(default=4, ge=1)
+    target_kv_usage: float = Field(default=0.7, gt=0, le=1)
+    max_waiting_per_replica: float = Field(default=1.0, ge=0)
+    upscale_delay_s: float = Field(default=10.0, ge=0)
+    downscale_delay_s: float = Field(default=120.0, ge=0)
+    look_back_period_s: float = Field(default=10.0, gt=0)
+
+
 class AppConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     app_name: str = "kvserve"  # the Serve application name (names its coordinator)
     model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
     served_model_name: str | None = None  # the `model` clients send; default: the directory name
-    replicas: int = Field(default=1, ge=1)
+    replicas: int = Field(default=1, ge=1)  # ignored when autoscaling is set
+    autoscaling: Autoscaling | None = None
     # "kv": rank replicas by free KV blocks and cached prefix; "pow2": Serve's default router.
     router: Literal["kv", "pow2"] = "kv"
     engine_args: dict = Field(default_factory=dict)  # EngineConfig fields, e.g. block_size
@@ -56,11 +72,33 @@ def build_app(config: AppConfig | dict) -> Application:
         options["request_router_config"] = RequestRouterConfig(
             request_router_class=KVAwareRouter, request_router_kwargs={"coordinator": coordinator}
         )
+    if config.autoscaling is None:
+        options["num_replicas"] = config.replicas
+    else:
+        options["autoscaling_config"] = autoscaling_config(config.autoscaling)
     llm = LLMServer.options(
-        num_replicas=config.replicas,
         max_ongoing_requests=config.max_ongoing_requests,
         max_queued_requests=config.max_queued_requests,
         ray_actor_options={"num_cpus": config.num_cpus_per_replica, "num_gpus": config.num_gpus_per_replica},
         **options,
     ).bind({**config.engine_args, "model": config.model}, coordinator)
     return OpenAIIngress.bind(llm, config.model_name, config.model, coordinator, config.api_keys)
+
+
+def autoscaling_config(settings: Autoscaling) -> AutoscalingConfig:
+    policy = AutoscalingPolicy(
+        policy_function=KVPressurePolicy,
+        policy_kwargs={
+            "target_kv_usage": settings.target_kv_usage,
+            "max_waiting_per_replica": settings.max_waiting_per_replica,
+        },
+    )
+    return AutoscalingConfig(
+        min_replicas=settings.min_replicas,
+        initial_replicas=max(settings.min_replicas, 1),
+        max_replicas=settings.max_replicas,
+        upscale_delay_s=settings.upscale_delay_s,
+        downscale_delay_s=settings.downscale_delay_s,
+        look_back_period_s=settings.look_back_period_s,
+        policy=policy,
+    )

@@ -101,6 +101,11 @@ class LLMServer:
         keys = ("num_free_blocks", "num_total_blocks", "num_running", "num_waiting")
         return {k: stats[k] for k in keys}
 
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Custom metrics for deployments.autoscaling.KVPressurePolicy."""
+        stats = await self.stats()
+        return {k: float(stats[k]) for k in ("kv_cache_usage", "num_waiting", "num_running")}
+
     def _build_report(self) -> dict:
         """The coordinator's view of this replica: stats, the newest cached block hashes
         (bounded), and the wall-clock time they were read, so that routers can tell which
