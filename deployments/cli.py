@@ -53,8 +53,58 @@ def main(argv: list[str] | None = None) -> int:
     )
     srv.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
 
+    bat = commands.add_parser(
+        "batch", parents=[model_args], help="run a JSONL/Parquet file of prompts through Ray Data"
+    )
+    bat.add_argument("input", help="JSONL or Parquet rows with `prompt` or `messages`")
+    bat.add_argument("output", help="JSONL file, or a .parquet directory")
+    bat.add_argument("--min-replicas", type=int, default=1, help="engine actors to keep")
+    bat.add_argument("--max-replicas", type=int, default=2, help="engine actors to scale up to")
+    bat.add_argument("--batch-size", type=int, default=64, help="rows per engine call")
+    bat.add_argument("--resume", action="store_true", help="skip the ids already in OUTPUT")
+    bat.add_argument("--num-cpus-per-replica", type=float, default=1.0)
+    bat.add_argument("--num-gpus-per-replica", type=float, default=0.0)
+    bat.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
+
     args = parser.parse_args(argv)
-    return _serve(args) if args.command == "serve" else _generate(args)
+    commands_by_name = {"serve": _serve, "generate": _generate, "batch": _batch}
+    return commands_by_name[args.command](args)
+
+
+def _batch(args: argparse.Namespace) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import ray
+
+    from deployments.batch import run_batch
+
+    ray.init(include_dashboard=False)  # joins a running cluster, else starts a local Ray
+    try:
+        summary = run_batch(
+            args.input,
+            args.output,
+            engine_args={
+                "model": args.model,
+                "dtype": args.dtype,
+                "kv_cache_memory_gb": args.kv_cache_memory_gb,
+            },
+            min_replicas=args.min_replicas,
+            max_replicas=args.max_replicas,
+            batch_size=args.batch_size,
+            resume=args.resume,
+            num_cpus_per_replica=args.num_cpus_per_replica,
+            num_gpus_per_replica=args.num_gpus_per_replica,
+        )
+    except (FileNotFoundError, FileExistsError) as e:
+        print(f"kvserve: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        ray.shutdown()
+    print(
+        f"{summary.rows} rows written ({summary.errors} with errors, {summary.skipped} already done), "
+        f"{summary.generated_tokens} tokens in {summary.seconds:.1f} s = {summary.tokens_per_s:.1f} tokens/s",
+        flush=True,
+    )
+    return 0
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -68,10 +68,15 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, messages: list[Message]) -> list[int]:
-        if self.tokenizer.chat_template is None:
-            raise ValueError("this model has no chat template; use generate() with a plain prompt")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.tokenizer(text, add_special_tokens=False).input_ids
+        return chat_prompt_ids(self.tokenizer, messages)
+
+
+def chat_prompt_ids(tokenizer, messages: list[Message]) -> list[int]:
+    """The prompt token ids for a conversation, ready for the assistant's turn."""
+    if tokenizer.chat_template is None:
+        raise ValueError("this model has no chat template; use a plain prompt")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False).input_ids
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

@@ -16,6 +16,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from transformers import AutoTokenizer
 
+from replica.llm import chat_prompt_ids
 from replica.model_loader import resolve_model
 from router.coordinator import get_coordinator
 from router.generation import APIError, Generation, start_generation
@@ -222,9 +223,7 @@ class OpenAIIngress(GrpcAPI):
         self._check_model(body.model)
         if self.tokenizer.chat_template is None:
             raise APIError(400, "this model has no chat template; use /v1/completions")
-        messages = [m.model_dump() for m in body.messages]
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        prompt = self.tokenizer(text, add_special_tokens=False).input_ids
+        prompt = chat_prompt_ids(self.tokenizer, [m.model_dump() for m in body.messages])
         params = body.sampling_params(body.max_completion_tokens or body.max_tokens, body.num_logprobs)
         return prompt, params
 

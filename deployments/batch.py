@@ -1,0 +1,233 @@
+"""Batch inference on Ray Data: rows in, one engine per actor of an autoscaling actor
+pool, rows out.
+
+Input: JSONL (one object per line) or Parquet, each row with `prompt` or `messages`,
+optional sampling fields (`max_tokens`, `temperature`, ... as in SamplingParams) and an
+optional `id` (default: a hash of the row). Output: JSONL, or a directory of Parquet
+parts, with id, text, finish_reason, prompt_tokens, completion_tokens and error.
+
+JSONL is read as text and parsed in the actors, so a malformed line is one error row,
+not a failed read. The driver appends each finished batch to the output and syncs it,
+so after a crash `--resume` skips the ids already written: no row is lost or written
+twice.
+"""
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import ray
+from tqdm import tqdm
+
+from replica.config import EngineConfig
+from replica.engine import Engine
+from replica.llm import chat_prompt_ids
+from replica.sampling_params import SamplingParams
+
+SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+OUTPUT_SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("text", pa.string()),
+        ("finish_reason", pa.string()),
+        ("prompt_tokens", pa.int64()),
+        ("completion_tokens", pa.int64()),
+        ("error", pa.string()),
+    ]
+)
+
+
+@dataclass
+class BatchSummary:
+    rows: int
+    errors: int
+    skipped: int  # already in the output (--resume)
+    generated_tokens: int
+    seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.seconds if self.seconds else 0.0
+
+
+def row_id(row: dict, raw: str | None = None) -> str:
+    if row.get("id") is not None:
+        return str(row["id"])
+    text = raw if raw is not None else json.dumps(row, sort_keys=True, default=str)
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+def parse_line(line: str) -> tuple[str, dict | None, str | None]:
+    """(id, row, error) for one JSONL line."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        return row_id({}, line), None, f"invalid JSON: {e}"
+    if not isinstance(row, dict):
+        return row_id({}, line), None, "a row must be a JSON object"
+    return row_id(row, line if row.get("id") is None else None), row, None
+
+
+class Generator:
+    """One engine per actor; each call runs a whole batch through it, so the engine
+    batches continuously inside the batch."""
+
+    def __init__(self, engine_args: dict):
+        self.engine = Engine(EngineConfig.from_kwargs(**engine_args))
+
+    def __call__(self, batch: pa.Table) -> dict:
+        rows = batch.to_pylist()  # plain Python values, as in the input file
+        if "text" in batch.column_names:  # JSONL lines
+            parsed = [parse_line(row["text"]) for row in rows]
+        else:  # Parquet rows
+            parsed = [(row_id(row), row, None) for row in rows]
+        results = {}
+        for rid, row, error in parsed:
+            if error is None:
+                error = self._add(rid, row)
+            if error is not None:
+                results[rid] = _result(rid, error=error)
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished:
+                    done = out.outputs[0]
+                    results[out.request_id] = _result(
+                        out.request_id,
+                        text=done.text,
+                        finish_reason=done.finish_reason,
+                        prompt_tokens=len(out.prompt_token_ids),
+                        completion_tokens=len(done.token_ids),
+                    )
+        columns = {name: [] for name in OUTPUT_SCHEMA.names}
+        for result in results.values():
+            for name in columns:
+                columns[name].append(result[name])
+        return columns
+
+    def _add(self, rid: str, row: dict) -> str | None:
+        """Queue one row in the engine; a bad row gets an error instead."""
+        try:
+            fields = {k: v for k, v in row.items() if k in SAMPLING_FIELDS and v is not None}
+            params = SamplingParams(**fields)
+            if row.get("messages") is not None:
+                prompt = chat_prompt_ids(self.engine.tokenizer, list(row["messages"]))
+            elif isinstance(row.get("prompt"), str):
+                prompt = row["prompt"]
+            else:
+                return "a row needs a string `prompt` or a list of `messages`"
+            self.engine.add_request(prompt, params, request_id=rid)
+        except Exception as e:  # anything wrong with one row fails that row only
+            return f"{type(e).__name__}: {e}"
+        return None
+
+
+def _result(
+    rid: str, text=None, finish_reason=None, prompt_tokens=0, completion_tokens=0, error=None
+) -> dict:
+    return {
+        "id": rid,
+        "text": text,
+        "finish_reason": finish_reason,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "error": error,
+    }
+
+
+def is_parquet(path: Path) -> bool:
+    return path.suffix == ".parquet" or (path.is_dir() and any(path.glob("*.parquet")))
+
+
+def done_ids(output: Path) -> set[str]:
+    """Ids already written. A JSONL line cut short by a crash is dropped from the file."""
+    if not output.exists():
+        return set()
+    if output.is_dir():
+        parts = sorted(output.glob("*.parquet"))
+        return {i for p in parts for i in pq.read_table(p, columns=["id"]).column("id").to_pylist()}
+    data = output.read_bytes()
+    complete = data[: data.rfind(b"\n") + 1]
+    if len(complete) != len(data):
+        with open(output, "r+b") as f:
+            f.truncate(len(complete))
+    return {json.loads(line)["id"] for line in complete.splitlines() if line.strip()}
+
+
+class OutputWriter:
+    """Appends finished rows durably: JSONL lines, or one Parquet part per batch
+    (written to a temporary name and renamed, so a part is whole or absent)."""
+
+    def __init__(self, output: Path, parquet: bool):
+        self.output, self.parquet = output, parquet
+        (output if parquet else output.parent).mkdir(parents=True, exist_ok=True)
+
+    def write(self, table: pa.Table) -> None:
+        if self.parquet:
+            tmp = self.output / f".part-{uuid.uuid4().hex}.tmp"
+            pq.write_table(table, tmp)
+            os.replace(tmp, self.output / f"part-{uuid.uuid4().hex}.parquet")
+            return
+        lines = "".join(json.dumps(row) + "\n" for row in table.to_pylist())
+        with open(self.output, "ab") as f:
+            f.write(lines.encode())
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def run_batch(
+    input_path: str,
+    output_path: str,
+    engine_args: dict | None = None,
+    min_replicas: int = 1,
+    max_replicas: int = 2,
+    batch_size: int = 64,
+    resume: bool = False,
+    num_cpus_per_replica: float = 1.0,
+    num_gpus_per_replica: float = 0.0,
+) -> BatchSummary:
+    source, output = Path(input_path), Path(output_path)
+    if "://" not in input_path and not source.exists():  # URIs (s3://...) go to Ray Data as they are
+        raise FileNotFoundError(f"no input at {source}")
+    parquet_out = output.suffix == ".parquet" or (output.is_dir() and is_parquet(output))
+    if not resume and output.exists():
+        raise FileExistsError(f"{output} exists: pass --resume to continue it, or remove it")
+    skip = done_ids(output) if resume else set()
+
+    if is_parquet(source):
+        ds = ray.data.read_parquet(input_path)
+        ds = ds.filter(lambda row: row_id(row) not in skip) if skip else ds
+    else:
+        ds = ray.data.read_text(input_path).filter(lambda row: bool(row["text"].strip()))
+        ds = ds.filter(lambda row: parse_line(row["text"])[0] not in skip) if skip else ds
+    ds = ds.map_batches(
+        Generator,
+        fn_constructor_kwargs={"engine_args": engine_args or {}},
+        batch_size=batch_size,
+        batch_format="pyarrow",
+        compute=ray.data.ActorPoolStrategy(min_size=min_replicas, max_size=max_replicas),
+        num_cpus=num_cpus_per_replica,
+        num_gpus=num_gpus_per_replica,
+    )
+
+    writer = OutputWriter(output, parquet_out)
+    start, rows, errors, tokens = time.perf_counter(), 0, 0, 0
+    progress = tqdm(desc="rows", unit="row")
+    try:
+        for table in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+            table = table.select(OUTPUT_SCHEMA.names).cast(OUTPUT_SCHEMA)
+            writer.write(table)
+            rows += table.num_rows
+            errors += table.num_rows - table.column("error").null_count
+            tokens += sum(table.column("completion_tokens").to_pylist())
+            progress.update(table.num_rows)
+            progress.set_postfix(tokens_per_s=f"{tokens / (time.perf_counter() - start):.0f}", errors=errors)
+    finally:
+        progress.close()
+    return BatchSummary(rows, errors, len(skip), tokens, time.perf_counter() - start)

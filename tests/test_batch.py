@@ -1,0 +1,120 @@
+"""Batch inference on a real local Ray Data pipeline with the bundled model."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from deployments.batch import run_batch
+
+BAD_ROWS = [
+    '{"id": "bad-temperature", "prompt": "x", "temperature": -1}',
+    '{"id": "bad-type", "prompt": 42}',
+    '{"id": "bad-max-tokens", "prompt": "x", "max_tokens": "many"}',
+    "this line is not JSON",
+]
+
+
+def write_rows(path, n: int, bad: bool = True) -> set[str]:
+    """n good rows (ids g0..), every tenth a chat, plus the bad rows; returns the good ids."""
+    lines = []
+    for i in range(n):
+        if i % 10 == 0:
+            row = {"id": f"g{i}", "messages": [{"role": "user", "content": f"Say {i}."}]}
+        else:
+            row = {"id": f"g{i}", "prompt": f"Count from {i}:", "temperature": 0}
+        row.update(max_tokens=4, ignore_eos=True)
+        lines.append(json.dumps(row))
+    if bad:
+        lines[5:5] = BAD_ROWS
+    path.write_text("\n".join(lines) + "\n")
+    return {f"g{i}" for i in range(n)}
+
+
+def read_output(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_every_row_comes_out_once_and_bad_rows_are_reported(ray_cluster, tmp_path, model_path):
+    good = write_rows(tmp_path / "in.jsonl", 200)
+    summary = run_batch(
+        str(tmp_path / "in.jsonl"),
+        str(tmp_path / "out.jsonl"),
+        engine_args={"model": str(model_path)},
+        min_replicas=1,
+        max_replicas=2,
+        batch_size=25,
+        num_cpus_per_replica=0.5,
+    )
+    rows = read_output(tmp_path / "out.jsonl")
+    by_id = {r["id"]: r for r in rows}
+    assert len(rows) == len(by_id) == 204  # one row per input row, none twice
+    assert summary.rows == 204 and summary.errors == 4
+    assert good <= set(by_id)
+    for rid in good:
+        assert by_id[rid]["error"] is None
+        assert by_id[rid]["completion_tokens"] == 4 and by_id[rid]["finish_reason"] == "length"
+        assert by_id[rid]["text"]
+    errors = {r["id"]: r["error"] for r in rows if r["error"] is not None}
+    assert "temperature" in errors["bad-temperature"]
+    assert "prompt" in errors["bad-type"]
+    assert "bad-max-tokens" in errors
+    assert any("invalid JSON" in e for e in errors.values())
+
+
+def test_parquet_in_parquet_out(ray_cluster, tmp_path, model_path):
+    rows = [{"id": f"p{i}", "prompt": f"Hello {i}", "max_tokens": 3} for i in range(20)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "in.parquet")
+    summary = run_batch(
+        str(tmp_path / "in.parquet"),
+        str(tmp_path / "out.parquet"),
+        engine_args={"model": str(model_path)},
+        max_replicas=1,
+        batch_size=10,
+        num_cpus_per_replica=0.5,
+    )
+    out = pq.read_table(tmp_path / "out.parquet").to_pylist()
+    assert sorted(r["id"] for r in out) == sorted(r["id"] for r in rows)
+    assert summary.errors == 0 and all(r["completion_tokens"] == 3 for r in out)
+
+
+def test_refuses_to_overwrite_without_resume(ray_cluster, tmp_path):
+    (tmp_path / "in.jsonl").write_text('{"prompt": "x"}\n')
+    (tmp_path / "out.jsonl").write_text("")
+    with pytest.raises(FileExistsError):
+        run_batch(str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"))
+
+
+def test_killed_run_resumes_with_exactly_one_row_per_id(tmp_path):
+    good = write_rows(tmp_path / "in.jsonl", 200, bad=False)
+    out = tmp_path / "out.jsonl"
+    args = [sys.executable, "-m", "deployments.cli", "batch", str(tmp_path / "in.jsonl"), str(out)]
+    args += ["--batch-size", "10", "--max-replicas", "1", "--num-cpus-per-replica", "0.5"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_ADDRESS="local")
+    first = subprocess.Popen(
+        args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    try:
+        deadline = time.time() + 300
+        while not (out.exists() and len(out.read_text().splitlines()) >= 40):
+            assert first.poll() is None and time.time() < deadline, "the first run ended or stalled early"
+            time.sleep(0.2)
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)  # the whole process group: driver and its Ray
+        first.wait()
+    written = len(read_output(out))
+    assert 40 <= written < 200
+    with open(out, "ab") as f:  # a crash can leave half a line behind
+        f.write(b'{"id": "g1')
+    resumed = subprocess.run([*args, "--resume"], env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    rows = read_output(out)
+    ids = [r["id"] for r in rows]
+    assert len(ids) == len(set(ids)) == 200 and set(ids) == good
+    assert f"{written} already done" in resumed.stdout
