@@ -47,16 +47,24 @@ async def _validation_error(request: Request, e: RequestValidationError):
 
 
 async def _sse(formatter: "_Formatter", generation: Generation, include_usage: bool) -> AsyncIterator[str]:
-    """Server-sent events; closing early (client gone) cancels the replica stream."""
+    """Server-sent events; closing early (client gone) cancels the replica stream. The
+    status line is long gone when a replica fails mid-stream, so the failure arrives as
+    an error event in OpenAI's error shape, then [DONE]."""
     try:
         if formatter.chat:
             yield _event(formatter.chunk({"role": "assistant", "content": ""}, None, None))
         last = generation.first
-        async for chunk in generation.chunks():
-            last = chunk
-            yield _event(formatter.delta(chunk))
-        if include_usage:
-            yield _event({**formatter.chunk(None, None, None), "choices": [], "usage": _usage(last)})
+        try:
+            async for chunk in generation.chunks():
+                last = chunk
+                yield _event(formatter.delta(chunk))
+        except APIError as e:
+            yield _event(
+                {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.status}}
+            )
+        else:
+            if include_usage:
+                yield _event({**formatter.chunk(None, None, None), "choices": [], "usage": _usage(last)})
         yield "data: [DONE]\n\n"
     finally:
         generation.cancel()
