@@ -27,7 +27,7 @@ import random
 import time
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
@@ -83,15 +83,27 @@ def cached_prefix_blocks(prompt_hashes: Sequence[bytes], view: ReplicaView) -> i
     return n
 
 
-def net_free_blocks(
-    prompt: Sequence[int], max_tokens: int | None, view: ReplicaView, promised_blocks: int
-) -> tuple[int, int]:
+@dataclass
+class RoutedRequest:
+    prompt: list[int]
+    max_tokens: int | None
+    _block_hashes: dict[int, list[bytes]] = field(default_factory=dict, repr=False)
+
+    def block_hashes(self, block_size: int) -> list[bytes]:
+        """The prompt's chained block hashes, computed once per block size however many
+        replicas are compared. Like the engine, the last token is never cacheable."""
+        if block_size not in self._block_hashes:
+            self._block_hashes[block_size] = hash_full_blocks(self.prompt[:-1], block_size)
+        return self._block_hashes[block_size]
+
+
+def net_free_blocks(request: RoutedRequest, view: ReplicaView, promised_blocks: int) -> tuple[int, int]:
     """(free blocks left once this request has all it may take, leading prompt blocks
-    already cached). Like the engine, an unset max_tokens means up to max_model_len,
-    and the last prompt token is never served from cache."""
-    hits = cached_prefix_blocks(hash_full_blocks(prompt[:-1], view.block_size), view)
-    room = max(0, view.max_model_len - len(prompt))
-    final_len = len(prompt) + min(max_tokens or room, room)
+    already cached). Like the engine, an unset max_tokens means up to max_model_len."""
+    hits = cached_prefix_blocks(request.block_hashes(view.block_size), view)
+    prompt_len = len(request.prompt)
+    room = max(0, view.max_model_len - prompt_len)
+    final_len = prompt_len + min(request.max_tokens or room, room)
     need = cdiv(final_len, view.block_size) - hits
     return view.free_blocks - promised_blocks - need, hits
 
@@ -117,12 +129,6 @@ def group_ranks(keys: dict[ReplicaID, tuple]) -> list[list[ReplicaID]]:
     for replica_id, key in keys.items():
         groups[key].append(replica_id)
     return [groups[key] for key in sorted(groups, reverse=True)]
-
-
-@dataclass
-class RoutedRequest:
-    prompt: list[int]
-    max_tokens: int | None
 
 
 def routed_request(pending_request: PendingRequest | None) -> RoutedRequest | None:
@@ -163,9 +169,7 @@ class KVAwareRouter(RequestRouter):
             return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
         candidates = {
             replica_id: (
-                *net_free_blocks(
-                    request.prompt, request.max_tokens, view, self._promised_blocks(replica_id.unique_id)
-                ),
+                *net_free_blocks(request, view, self._promised_blocks(replica_id.unique_id)),
                 view.total_blocks,
             )
             for replica_id, view in views.items()
@@ -179,7 +183,7 @@ class KVAwareRouter(RequestRouter):
         view = self._views.get(replica_id.unique_id)
         if request is None or view is None:
             return
-        net_free, _ = net_free_blocks(request.prompt, request.max_tokens, view, 0)
+        net_free, _ = net_free_blocks(request, view, 0)
         self._debits[replica_id.unique_id].append(Debit(time.time(), view.free_blocks - net_free))
 
     def _promised_blocks(self, replica_id: str) -> int:

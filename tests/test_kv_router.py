@@ -15,7 +15,7 @@ from deployments.app import build_app
 from kvcache import KVCacheManager, hash_full_blocks
 from replica import SamplingParams
 from router.coordinator import coordinator_address, get_coordinator
-from router.kv_router import ReplicaView, group_ranks, net_free_blocks, placement_keys
+from router.kv_router import ReplicaView, RoutedRequest, group_ranks, net_free_blocks, placement_keys
 
 APP = "router-test"
 MODEL = "SmolLM2-135M-Instruct"
@@ -36,7 +36,8 @@ def view(free: int, cached: list[bytes] = (), total: int = 64) -> ReplicaView:
 def keys(prompt: list[int], views: dict[str, ReplicaView], promised: dict[str, int] | None = None) -> dict:
     promised = promised or {}
     candidates = {
-        r: (*net_free_blocks(prompt, 1, v, promised.get(r, 0)), v.total_blocks) for r, v in views.items()
+        r: (*net_free_blocks(RoutedRequest(prompt, 1), v, promised.get(r, 0)), v.total_blocks)
+        for r, v in views.items()
     }
     return placement_keys(candidates, slack_fraction=0.125)  # 8 blocks of 64
 
@@ -45,22 +46,27 @@ def test_net_free_blocks_credits_the_cached_prefix_but_never_the_last_token():
     prompt = list(range(100, 164))  # 4 full blocks; one more token opens a fifth
     hashes = hash_full_blocks(prompt[:-1], 16)
     assert len(hashes) == 3
-    assert net_free_blocks(prompt, 1, view(free=40), 0) == (35, 0)
-    assert net_free_blocks(prompt, 1, view(free=40, cached=hashes), 0) == (38, 3)
-    assert net_free_blocks(prompt, 1, view(free=40, cached=hashes), 5) == (33, 3)
+    assert net_free_blocks(RoutedRequest(prompt, 1), view(free=40), 0) == (35, 0)
+    assert net_free_blocks(RoutedRequest(prompt, 1), view(free=40, cached=hashes), 0) == (38, 3)
+    assert net_free_blocks(RoutedRequest(prompt, 1), view(free=40, cached=hashes), 5) == (33, 3)
 
 
 def test_net_free_blocks_reserves_the_whole_answer():
     prompt = list(range(100, 164))
-    assert net_free_blocks(prompt, 64, view(free=40), 0) == (32, 0)  # 128 tokens: 8 blocks
+    assert net_free_blocks(RoutedRequest(prompt, 64), view(free=40), 0) == (32, 0)  # 128 tokens: 8 blocks
     # Unset max_tokens: the answer may run to max_model_len (1024 tokens, 64 blocks).
-    assert net_free_blocks(prompt, None, view(free=40), 0) == (-24, 0)
+    assert net_free_blocks(RoutedRequest(prompt, None), view(free=40), 0) == (-24, 0)
 
 
 def test_a_prefix_counts_only_up_to_the_first_missing_block():
     prompt = list(range(200, 280))
     hashes = hash_full_blocks(prompt[:-1], 16)
-    assert net_free_blocks(prompt, 1, view(free=32, cached=[hashes[0], hashes[2], hashes[3]]), 0)[1] == 1
+    assert (
+        net_free_blocks(RoutedRequest(prompt, 1), view(free=32, cached=[hashes[0], hashes[2], hashes[3]]), 0)[
+            1
+        ]
+        == 1
+    )
 
 
 def test_much_more_room_beats_a_cached_prefix():
