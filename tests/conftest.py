@@ -3,6 +3,8 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import time  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -76,3 +78,33 @@ def hf_greedy(model, token_ids: list[int], max_new_tokens: int, eos_ids: set[int
         if t in eos_ids:
             return generated[: i + 1]
     return generated
+
+
+def wait_for(condition, timeout_s: float = 30.0, interval_s: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(interval_s)
+
+
+def undeploy(app: str) -> None:
+    """Delete a test's Serve app and its coordinator (a detached actor outlives the app)."""
+    import ray
+    from ray import serve
+
+    from router.coordinator import coordinator_address, get_coordinator
+
+    serve.delete(app)
+    ray.kill(get_coordinator(coordinator_address(app)))
+
+
+def replica_actor(app: str):
+    """The actor of an app's only LLMServer replica. Serve names replica actors
+    SERVE_REPLICA::<app>#<deployment>#<id>; the coordinator knows the id."""
+    import ray
+
+    from router.coordinator import coordinator_address
+
+    namespace, name = coordinator_address(app)
+    (replica_id,) = ray.get(ray.get_actor(name, namespace=namespace).snapshot.remote())
+    return ray.get_actor(f"SERVE_REPLICA::{app}#LLMServer#{replica_id}", namespace="serve")

@@ -6,13 +6,11 @@ import time
 
 import openai
 import pytest
-import ray
-from conftest import SERVE_HTTP_PORT
+from conftest import SERVE_HTTP_PORT, undeploy, wait_for
 from ray import serve
 
 from deployments.app import build_app
 from deployments.autoscaling import desired_replicas
-from router.coordinator import coordinator_address, get_coordinator
 
 APP = "autoscale-test"
 MODEL = "SmolLM2-135M-Instruct"
@@ -34,13 +32,6 @@ def running_replicas() -> int:
     return status.replica_states.get("RUNNING", 0)
 
 
-def wait_for(condition, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.5)
-
-
 @pytest.fixture(scope="module")
 def autoscaled_app(ray_cluster, model_path):
     autoscaling = {
@@ -60,8 +51,7 @@ def autoscaled_app(ray_cluster, model_path):
     }
     serve.run(build_app(config), name=APP, route_prefix=f"/{APP}")
     yield openai.OpenAI(base_url=f"http://127.0.0.1:{SERVE_HTTP_PORT}/{APP}/v1", api_key="x", max_retries=0)
-    serve.delete(APP)
-    ray.kill(get_coordinator(coordinator_address(APP)))
+    undeploy(APP)
 
 
 def test_scales_up_under_kv_pressure_and_back_down_when_idle(autoscaled_app):
@@ -83,7 +73,7 @@ def test_scales_up_under_kv_pressure_and_back_down_when_idle(autoscaled_app):
     for t in threads:
         t.start()
     try:
-        wait_for(lambda: running_replicas() == 2, timeout_s=120)
+        wait_for(lambda: running_replicas() == 2, timeout_s=120, interval_s=0.5)
         time.sleep(3)  # requests keep flowing while the new replica joins
     finally:
         stop.set()
@@ -91,4 +81,4 @@ def test_scales_up_under_kv_pressure_and_back_down_when_idle(autoscaled_app):
             t.join()
     assert errors == []
     assert results and all(n == 120 for n in results)
-    wait_for(lambda: running_replicas() == 1, timeout_s=120)
+    wait_for(lambda: running_replicas() == 1, timeout_s=120, interval_s=0.5)

@@ -5,11 +5,10 @@ import time
 
 import httpx
 import ray
-from conftest import SERVE_HTTP_PORT
+from conftest import SERVE_HTTP_PORT, replica_actor, undeploy
 from ray import serve
 
 from deployments.app import build_app
-from router.coordinator import coordinator_address, get_coordinator
 
 APP = "fault-test"
 MODEL = "SmolLM2-135M-Instruct"
@@ -19,7 +18,6 @@ def test_a_replica_killed_mid_stream_ends_the_sse_stream_with_an_error_event(ray
     config = {"app_name": APP, "model": str(model_path), "served_model_name": MODEL}
     config["engine_args"] = {"kv_cache_memory_gb": 0.25}
     serve.run(build_app(config), name=APP, route_prefix=f"/{APP}")
-    namespace, name = coordinator_address(APP)
     try:
         body = {"model": MODEL, "prompt": "Once", "max_tokens": 2000, "ignore_eos": True, "stream": True}
         url = f"http://127.0.0.1:{SERVE_HTTP_PORT}/{APP}/v1/completions"
@@ -28,8 +26,7 @@ def test_a_replica_killed_mid_stream_ends_the_sse_stream_with_an_error_event(ray
             lines = response.iter_lines()
             first = next(line for line in lines if line.startswith("data: "))
             assert json.loads(first[len("data: ") :])["choices"][0]["finish_reason"] is None
-            (replica_id,) = ray.get(ray.get_actor(name, namespace=namespace).snapshot.remote())
-            ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP}#LLMServer#{replica_id}", namespace="serve"))
+            ray.kill(replica_actor(APP))
             started = time.monotonic()
             events = [line[len("data: ") :] for line in lines if line.startswith("data: ")]
         assert time.monotonic() - started < 60
@@ -37,5 +34,4 @@ def test_a_replica_killed_mid_stream_ends_the_sse_stream_with_an_error_event(ray
         error = json.loads(events[-2])["error"]
         assert error["code"] == 503 and "replica unavailable" in error["message"]
     finally:
-        serve.delete(APP)
-        ray.kill(get_coordinator((namespace, name)))
+        undeploy(APP)

@@ -7,11 +7,10 @@ import grpc
 import httpx
 import pytest
 import ray
-from conftest import SERVE_GRPC_PORT, SERVE_HTTP_PORT
+from conftest import SERVE_GRPC_PORT, SERVE_HTTP_PORT, replica_actor, undeploy
 from ray import serve
 
 from deployments.app import build_app
-from router.coordinator import coordinator_address, get_coordinator
 from router.protos import kvserve_pb2 as pb
 from router.protos import kvserve_pb2_grpc as pb_grpc
 
@@ -24,11 +23,6 @@ def deploy(name: str, **config) -> None:
     engine = {"dtype": "float32", "kv_cache_memory_gb": 0.25, **config.pop("engine_args", {})}
     app = build_app({"app_name": name, "served_model_name": MODEL, "engine_args": engine, **config})
     serve.run(app, name=name, route_prefix=f"/{name}")
-
-
-def undeploy(name: str) -> None:
-    serve.delete(name)
-    ray.kill(get_coordinator(coordinator_address(name)))
 
 
 @pytest.fixture(scope="module")
@@ -188,18 +182,9 @@ def test_resource_exhausted_and_unavailable(ray_cluster, model_path):
         assert http.status_code == 429 and http.headers["retry-after"] == "1"
         assert http.json()["error"]["type"] == "rate_limit_error"
         second.cancel()
-        replica = ray.get_actor(_replica_actor_name("grpc-busy"), namespace="serve")
-        ray.kill(replica, no_restart=True)
+        ray.kill(replica_actor("grpc-busy"), no_restart=True)
         with pytest.raises(grpc.RpcError) as info:
             list(first)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
     finally:
         undeploy("grpc-busy")
-
-
-def _replica_actor_name(app: str) -> str:
-    """Serve names replica actors SERVE_REPLICA::<app>#<deployment>#<id>; the
-    coordinator knows the ids."""
-    namespace, name = coordinator_address(app)
-    (replica_id,) = ray.get(ray.get_actor(name, namespace=namespace).snapshot.remote())
-    return f"SERVE_REPLICA::{app}#LLMServer#{replica_id}"

@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 import ray
-from conftest import SERVE_HTTP_PORT
+from conftest import SERVE_HTTP_PORT, undeploy
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
@@ -29,8 +29,7 @@ def base_url(ray_cluster, model_path):
     )
     serve.run(app, name="http-test", route_prefix="/")
     yield f"http://127.0.0.1:{SERVE_HTTP_PORT}"
-    serve.delete("http-test")
-    ray.kill(get_coordinator(coordinator_address("http-test")))
+    undeploy("http-test")
 
 
 @pytest.fixture(scope="module")

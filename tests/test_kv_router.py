@@ -8,13 +8,13 @@ import time
 import openai
 import pytest
 import ray
-from conftest import SERVE_HTTP_PORT
+from conftest import SERVE_HTTP_PORT, undeploy, wait_for
 from ray import serve
 
 from deployments.app import build_app
 from kvcache import KVCacheManager, hash_full_blocks
 from replica import SamplingParams
-from router.coordinator import coordinator_address, get_coordinator
+from router.coordinator import coordinator_address
 from router.kv_router import ReplicaView, RoutedRequest, group_ranks, net_free_blocks, placement_keys
 
 APP = "router-test"
@@ -120,15 +120,7 @@ def router_app(ray_cluster, model_path):
     serve.run(app, name=APP, route_prefix="/router-test")
     wait_for(lambda: len(snapshot()) == 2)
     yield serve.get_deployment_handle("LLMServer", app_name=APP)
-    serve.delete(APP)
-    ray.kill(get_coordinator(coordinator_address(APP)))
-
-
-def wait_for(condition, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
+    undeploy(APP)
 
 
 def snapshot() -> dict[str, dict]:
