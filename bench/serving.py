@@ -163,7 +163,8 @@ class App:
             "engine_args": engine_args,
         }
         serve.run(build_app(config), name=name, route_prefix="/")
-        self.coordinator = ray.get_actor(coordinator_address(name)[1], namespace=coordinator_address(name)[0])
+        namespace, coordinator_name = coordinator_address(name)
+        self.coordinator = ray.get_actor(coordinator_name, namespace=namespace)
         while len(ray.get(self.coordinator.snapshot.remote())) < replicas:
             time.sleep(0.1)
         self.base_url = f"http://127.0.0.1:{PORT}"
