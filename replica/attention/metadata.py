@@ -4,6 +4,8 @@ CPU side and shared by every layer.
 Packed order: all decode rows (one query token each) first, then each prefill chunk.
 Decode rows are batched together; prefill chunks are few per step and run one by one.
 Reads go through block tables (whole blocks at a time), writes through slot_mapping.
+The torch backend walks `prefills`; kernels (Triton, flash-attn) take the same facts as
+flat int32 tensors, so one launch covers every chunk and CUDA graphs see fixed shapes.
 """
 
 from dataclasses import dataclass
@@ -26,6 +28,13 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks], padded with block 0
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] True where valid
     prefills: list[PrefillChunk]
+    decode_context_lens: torch.Tensor | None  # [num_decodes] int32
+    # Kernel view of the prefill chunks, P of them; tables cover the whole context,
+    # including this step's tokens (the write happens before attention reads).
+    prefill_query_starts: torch.Tensor | None  # [P + 1] int32 packed rows, starting at num_decodes
+    prefill_context_lens: torch.Tensor | None  # [P] int32
+    prefill_block_tables: torch.Tensor | None  # [P, max_blocks] int32, padded with block 0
+    max_prefill_query_len: int = 0
 
 
 def build_metadata(
@@ -44,7 +53,7 @@ def build_metadata(
     for table, ctx, q in zip(block_tables, context_lens, query_lens, strict=True):
         slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(ctx - q, ctx))
 
-    decode_tables = decode_mask = None
+    decode_tables = decode_mask = decode_lens = None
     if num_decodes:
         lens = context_lens[:num_decodes]
         width = -(-max(lens) // block_size)
@@ -52,6 +61,7 @@ def build_metadata(
         decode_tables = torch.tensor(rows, dtype=torch.long, device=device)
         positions = torch.arange(width * block_size)
         decode_mask = (positions[None, :] < torch.tensor(lens)[:, None])[:, None, None, :].to(device)
+        decode_lens = torch.tensor(lens, dtype=torch.int32, device=device)
 
     prefills = []
     row = num_decodes
@@ -63,10 +73,26 @@ def build_metadata(
         prefills.append(PrefillChunk(row, row + q, ctx, table))
         row += q
 
+    starts = lens = tables = None
+    if prefills:
+        starts = torch.tensor([c.start for c in prefills] + [row], dtype=torch.int32, device=device)
+        lens = torch.tensor([c.context_len for c in prefills], dtype=torch.int32, device=device)
+        width = -(-max(c.context_len for c in prefills) // block_size)
+        rows = [
+            block_tables[i][:width] + [0] * (width - len(block_tables[i][:width]))
+            for i in range(num_decodes, len(query_lens))
+        ]
+        tables = torch.tensor(rows, dtype=torch.int32, device=device)
+
     return AttentionMetadata(
         slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
         num_decodes=num_decodes,
         decode_block_tables=decode_tables,
         decode_mask=decode_mask,
         prefills=prefills,
+        decode_context_lens=decode_lens,
+        prefill_query_starts=starts,
+        prefill_context_lens=lens,
+        prefill_block_tables=tables,
+        max_prefill_query_len=max((c.end - c.start for c in prefills), default=0),
     )
