@@ -4,6 +4,7 @@ from dataclasses import dataclass, fields
 
 SCHEDULING_POLICIES = ("continuous", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 
 
 @dataclass
@@ -12,25 +13,44 @@ class EngineConfig:
     dtype: str = "auto"  # auto: bfloat16 (fast on AVX512-BF16 CPUs and on GPUs)
     device: str = "auto"  # auto: cuda if available, else cpu
     block_size: int = 16
-    kv_cache_memory_gb: float = 1.0  # KV budget; ignored when num_kv_blocks is set
+    kv_cache_memory_gb: float = 1.0  # KV budget on CPU; ignored when num_kv_blocks is set
+    # On CUDA the KV cache takes what is left of this share of GPU memory after the weights
+    # and a profiled worst-case step; ignored when num_kv_blocks is set.
+    gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     max_model_len: int | None = None  # default: the model's, clipped to the KV capacity
     enable_prefix_caching: bool = True
     scheduling_policy: str = "continuous"
-    attention_backend: str = "torch"
+    # auto: flash_attn > triton > torch on CUDA (each if installed), torch on CPU.
+    attention_backend: str = "auto"
+    # Pure-decode steps of up to cuda_graph_max_batch sequences replay captured CUDA graphs
+    # (kernel backends on CUDA only; ignored on CPU and with the torch backend).
+    enable_cuda_graphs: bool = True
+    cuda_graph_max_batch: int = 256
     seed: int = 0
+    # Requests allowed to wait for admission; past it add_request raises QueueFullError.
+    # None (offline default): unbounded, since a batch job hands over all its rows at once.
+    max_waiting: int | None = None
 
     def __post_init__(self) -> None:
-        positive = ("block_size", "max_num_batched_tokens", "max_num_seqs")
+        positive = ("block_size", "max_num_batched_tokens", "max_num_seqs", "cuda_graph_max_batch")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.max_waiting is not None and self.max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
+            )
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}")
         if self.dtype not in DTYPES:

@@ -2,7 +2,7 @@
 detokenizer. `step()` runs one iteration of continuous batching."""
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import AutoTokenizer
@@ -17,6 +17,10 @@ from replica.request import FinishReason, Request, TokenLogprob
 from replica.sampler import SamplingBatch, sample
 from replica.sampling_params import SamplingParams
 from replica.scheduler import Scheduler
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at max_waiting; the caller should retry elsewhere or later."""
 
 
 @dataclass
@@ -34,15 +38,14 @@ class Engine:
         self.model_path = resolve_model(config.model)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.runner = ModelRunner(config, self.model_path)
+        # The attention backend may change the block size (flash-attn pages are multiples of
+        # 256); everything downstream (KV manager, stats, routing) uses the runner's.
+        self.config = config = replace(config, block_size=self.runner.block_size)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv, config.max_num_batched_tokens, config.max_num_seqs, config.scheduling_policy
         )
-        hf = self.runner.hf_config
-        # A request must fit the whole KV cache on its own, or it could never finish.
-        limits = [config.max_model_len, getattr(hf, "max_position_embeddings", None)]
-        limits.append(self.runner.num_blocks * config.block_size)
-        self.max_model_len = min(x for x in limits if x)
+        self.max_model_len = self.runner.max_model_len
         self.eos_token_ids = _eos_ids(self.runner.model.generation_config, self.tokenizer)
         self._requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -61,6 +64,9 @@ class Engine:
         else:
             text, token_ids = None, list(prompt)
         self._check_prompt(token_ids)
+        waiting = len(self.scheduler.waiting)
+        if self.config.max_waiting is not None and waiting >= self.config.max_waiting:
+            raise QueueFullError(f"{waiting} requests are already waiting (max_waiting)")
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")

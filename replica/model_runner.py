@@ -1,19 +1,34 @@
 """Device work for one step: load the model, own the paged KV cache, pack the scheduled
-tokens into one 1 x T forward, and return logits only for the rows that sample."""
+tokens into one 1 x T forward, and return logits only for the rows that sample.
+
+On CUDA, pure-decode steps replay captured CUDA graphs (cuda_graphs.py) and the KV cache
+takes what `gpu_memory_utilization` leaves after the weights and a profiled worst step.
+"""
+
+import itertools
+import logging
 
 import torch
 from transformers import AutoModelForCausalLM
 from transformers.utils import logging as transformers_logging
 
 from replica.attention import (
+    AttentionMetadata,
     ForwardContext,
     build_metadata,
+    choose_backend,
+    effective_block_size,
     forward_context,
-    kv_cache_shape,
+    installed_kernel_packages,
+    load_backend,
     register_backend,
 )
+from replica.attention.select import triton_interpret
 from replica.config import EngineConfig
+from replica.cuda_graphs import DecodeGraphRunner
 from replica.model_loader import ModelNotFoundError
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -28,12 +43,38 @@ def resolve_dtype(dtype: str) -> torch.dtype:
     return torch.bfloat16 if dtype == "auto" else _DTYPES[dtype]
 
 
+def kv_blocks_for_gpu(total_bytes: int, utilization: float, used_bytes: int, bytes_per_block: int) -> int:
+    """Blocks for the block pool: the utilization share of the device, minus what the
+    weights, the profiled peak activations and non-torch memory (CUDA context, other
+    processes) already use, minus the one scratch block CUDA-graph padding writes to."""
+    budget = int(total_bytes * utilization) - used_bytes - bytes_per_block
+    blocks = budget // bytes_per_block
+    if blocks < 1:
+        raise ValueError(
+            f"no room for a KV cache: the model and its peak step use {used_bytes / 2**30:.2f} GiB of the "
+            f"{total_bytes * utilization / 2**30:.2f} GiB that gpu_memory_utilization={utilization} allows; "
+            "raise gpu_memory_utilization or lower max_num_batched_tokens"
+        )
+    return blocks
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_path):
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype)
-        self.block_size = config.block_size
-        attn_impl = register_backend(config.attention_backend)
+        name = choose_backend(
+            config.attention_backend,
+            self.device.type,
+            self.dtype,
+            installed_kernel_packages(),
+            triton_interpret(),
+        )
+        if config.attention_backend == "auto":
+            logger.info("attention backend: %s (auto, on %s)", name, self.device.type)
+        self.backend = load_backend(name)
+        # The engine's KV manager must use this, not config.block_size.
+        self.block_size = effective_block_size(name, config.block_size)
+        attn_impl = register_backend(self.backend)
         transformers_logging.disable_progress_bar()
         try:
             self.model = AutoModelForCausalLM.from_pretrained(
@@ -55,19 +96,92 @@ class ModelRunner:
         self.num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
         self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         self.vocab_size = hf.vocab_size
-        self.num_blocks = config.num_kv_blocks or self._blocks_for_budget(config.kv_cache_memory_gb)
-        self.kv_caches = self._allocate_kv_cache()
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.num_blocks = config.num_kv_blocks or self._size_kv_cache(config)
+        # One block more than the pool hands out: padded rows of graph batches write there.
+        self.scratch_block = self.num_blocks
+        self.kv_caches = self._allocate_kv_cache(self.num_blocks + 1)
+        # A request must fit the whole KV cache on its own, or it could never finish.
+        limits = [config.max_model_len, getattr(hf, "max_position_embeddings", None)]
+        self.max_model_len = min(x for x in [*limits, self.num_blocks * self.block_size] if x)
+
+        self.graphs: DecodeGraphRunner | None = None
+        if config.enable_cuda_graphs and self.device.type == "cuda":
+            if self.backend.graph_safe:
+                self.graphs = self.build_graph_runner(min(config.max_num_seqs, config.cuda_graph_max_batch))
+                self.graphs.capture()
+                logger.info("captured CUDA graphs for decode batches %s", self.graphs.sizes)
+            else:
+                logger.info("CUDA graphs off: the %s attention backend cannot be captured", name)
 
     @property
     def bytes_per_block(self) -> int:
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
 
-    def _blocks_for_budget(self, gigabytes: float) -> int:
-        return max(1, int(gigabytes * 2**30) // self.bytes_per_block)
+    def build_graph_runner(self, max_batch: int) -> DecodeGraphRunner:
+        """Padded decode over static buffers; the caller captures it (CUDA) or not (tests)."""
+        return DecodeGraphRunner(
+            self._forward,
+            max_batch=max_batch,
+            max_blocks_per_seq=-(-self.max_model_len // self.block_size),
+            block_size=self.block_size,
+            scratch_block=self.scratch_block,
+            device=self.device,
+            build_mask=self.backend.name == "torch",
+        )
 
-    def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        shape = kv_cache_shape(self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+    def _size_kv_cache(self, config: EngineConfig) -> int:
+        if self.device.type != "cuda":
+            return max(1, int(config.kv_cache_memory_gb * 2**30) // self.bytes_per_block)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        non_torch = (total - free) - torch.cuda.memory_reserved(self.device)
+        self._profile_step(config)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        torch.cuda.empty_cache()
+        blocks = kv_blocks_for_gpu(
+            total, config.gpu_memory_utilization, peak + non_torch, self.bytes_per_block
+        )
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.2f GiB); peak step %.2f GiB, non-torch %.2f GiB of %.2f GiB",
+            blocks,
+            self.block_size,
+            blocks * self.bytes_per_block / 2**30,
+            peak / 2**30,
+            non_torch / 2**30,
+            total / 2**30,
+        )
+        return blocks
+
+    @torch.inference_mode()
+    def _profile_step(self, config: EngineConfig) -> None:
+        """The largest step the scheduler can send: max_num_batched_tokens of prefill in
+        as few sequences as positions allow, on a throwaway cache, then logits (and their
+        softmax, standing in for the sampler) for up to max_num_seqs rows."""
+        limits = [config.max_model_len, getattr(self.hf_config, "max_position_embeddings", None)]
+        seq_len = min(x for x in [*limits, config.max_num_batched_tokens] if x)
+        lens = [seq_len] * (config.max_num_batched_tokens // seq_len)
+        if config.max_num_batched_tokens % seq_len:
+            lens.append(config.max_num_batched_tokens % seq_len)
+        tables, next_block = [], 0
+        for n in lens:
+            blocks = -(-n // self.block_size)
+            tables.append(list(range(next_block, next_block + blocks)))
+            next_block += blocks
+        self.kv_caches = self._allocate_kv_cache(next_block)
+        try:
+            token_ids = [[0] * n for n in lens]
+            hidden = self._forward_packed(token_ids, lens, tables)
+            rows = min(config.max_num_seqs, hidden.shape[1])
+            self.lm_head(hidden[0, :rows]).float().softmax(dim=-1)
+            torch.cuda.synchronize(self.device)
+        finally:
+            self.kv_caches = []
+
+    def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        shape = self.backend.kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         # zeros: on CPU the pages stay unmapped until first written.
         return [
             (
@@ -76,6 +190,26 @@ class ModelRunner:
             )
             for _ in range(self.num_layers)
         ]
+
+    def _forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """The decoder over one packed [1, T] batch -> hidden states [1, T, E]."""
+        with forward_context(ForwardContext(self.kv_caches, meta)):
+            return self.decoder(
+                input_ids=input_ids, position_ids=position_ids, use_cache=False
+            ).last_hidden_state
+
+    def _forward_packed(
+        self, token_ids: list[list[int]], context_lens: list[int], block_tables: list[list[int]]
+    ) -> torch.Tensor:
+        query_lens = [len(t) for t in token_ids]
+        flat = [t for row in token_ids for t in row]
+        positions = [p for ctx, q in zip(context_lens, query_lens, strict=True) for p in range(ctx - q, ctx)]
+        meta = build_metadata(block_tables, context_lens, query_lens, self.block_size, self.device)
+        input_ids = torch.tensor([flat], dtype=torch.long, device=self.device)
+        position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)
+        return self._forward(input_ids, position_ids, meta)
 
     @torch.inference_mode()
     def execute(
@@ -89,17 +223,17 @@ class ModelRunner:
         context_lens[i]; rows must be ordered decodes first. Returns float logits
         [len(sample_rows), V] for the last token of each row in sample_rows."""
         query_lens = [len(t) for t in token_ids]
-        flat = [t for row in token_ids for t in row]
-        positions = [p for ctx, q in zip(context_lens, query_lens, strict=True) for p in range(ctx - q, ctx)]
-        meta = build_metadata(block_tables, context_lens, query_lens, self.block_size, self.device)
-        input_ids = torch.tensor([flat], dtype=torch.long, device=self.device)
-        position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)
-        with forward_context(ForwardContext(self.kv_caches, meta)):
-            hidden = self.decoder(
-                input_ids=input_ids, position_ids=position_ids, use_cache=False
-            ).last_hidden_state
+        pure_decode = all(q == 1 for q in query_lens)
+        if self.graphs is not None and pure_decode and self.graphs.can_run(len(token_ids)):
+            hidden = self.graphs.run([t[0] for t in token_ids], context_lens, block_tables)  # [n, E]
+            last_rows = list(range(len(token_ids)))
+        else:
+            hidden = self._forward_packed(token_ids, context_lens, block_tables)[0]  # [T, E]
+            last_rows = [end - 1 for end in itertools.accumulate(query_lens)]
         if not sample_rows:
             return hidden.new_empty((0, self.vocab_size), dtype=torch.float32)
-        ends = torch.tensor(query_lens).cumsum(0) - 1
-        last_rows = ends[torch.tensor(sample_rows, dtype=torch.long)].to(self.device)
-        return self.lm_head(hidden[0, last_rows]).float()
+        rows = [last_rows[i] for i in sample_rows]
+        if rows == list(range(hidden.shape[0])):  # a decode step where every row samples: no gather
+            return self.lm_head(hidden).float()
+        rows = torch.tensor(rows, dtype=torch.long, device=self.device)
+        return self.lm_head(hidden[rows]).float()

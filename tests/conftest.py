@@ -8,6 +8,11 @@ import time  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+if not torch.cuda.is_available():
+    # Triton decides compiled vs interpreted when each kernel is defined, and importing
+    # transformers imports triton, so this must precede every test module's imports.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 @pytest.fixture(scope="session")
 def model_path():

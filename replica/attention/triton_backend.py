@@ -1,0 +1,61 @@
+"""Triton paged attention: the torch backend's contract (same cache layout, same metadata,
+same transformers signature) on three kernels, so the two backends are interchangeable.
+
+Per layer: write this step's K/V into the cache, then decode rows (split-K kernel), then
+every prefill chunk in one launch. Prefill reads its own new keys back from the cache too,
+which is why the write comes first.
+"""
+
+import torch
+
+from replica.attention.context import get_forward_context
+from replica.attention.triton_decode import paged_decode
+from replica.attention.triton_prefill import paged_prefill
+from replica.attention.triton_write import write_kv_triton
+
+
+def triton_paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, H, T, D]
+    key: torch.Tensor,  # [1, Hkv, T, D]
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    ctx = get_forward_context()
+    meta = ctx.metadata
+    k_cache, v_cache = ctx.kv_caches[module.layer_idx]
+    # [T, H, D] views; the kernels take strides, so nothing is copied.
+    q = query[0].transpose(0, 1)
+    k = key[0].transpose(0, 1)
+    v = value[0].transpose(0, 1)
+    write_kv_triton(k_cache, v_cache, k, v, meta.slot_mapping)
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    nd = meta.num_decodes
+    if nd:
+        paged_decode(
+            q[:nd],
+            k_cache,
+            v_cache,
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            scale,
+            out=out[:nd],
+        )
+    if meta.prefill_query_starts is not None:
+        paged_prefill(
+            q,
+            k_cache,
+            v_cache,
+            meta.prefill_query_starts,
+            meta.prefill_context_lens,
+            meta.prefill_block_tables,
+            meta.max_prefill_query_len,
+            scale,
+            out,
+        )
+    return out.unsqueeze(0), None  # transformers expects [B, T, H, D]
