@@ -21,6 +21,9 @@ class EngineConfig:
     scheduling_policy: str = "continuous"
     attention_backend: str = "torch"
     seed: int = 0
+    # Requests allowed to wait for admission; past it add_request raises QueueFullError.
+    # None (offline default): unbounded, since a batch job hands over all its rows at once.
+    max_waiting: int | None = None
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_batched_tokens", "max_num_seqs")
@@ -29,6 +32,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.max_waiting is not None and self.max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:

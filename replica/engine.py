@@ -19,6 +19,10 @@ from replica.sampling_params import SamplingParams
 from replica.scheduler import Scheduler
 
 
+class QueueFullError(RuntimeError):
+    """The waiting queue is at max_waiting; the caller should retry elsewhere or later."""
+
+
 @dataclass
 class EngineStats:
     kv: KVStats
@@ -61,6 +65,9 @@ class Engine:
         else:
             text, token_ids = None, list(prompt)
         self._check_prompt(token_ids)
+        waiting = len(self.scheduler.waiting)
+        if self.config.max_waiting is not None and waiting >= self.config.max_waiting:
+            raise QueueFullError(f"{waiting} requests are already waiting (max_waiting)")
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
