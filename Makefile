@@ -2,7 +2,7 @@
 VENV ?= .venv
 PROMPT ?= Write a haiku about paged memory.
 
-.PHONY: setup run generate test lint bench bench-serving protos
+.PHONY: setup run generate test lint bench bench-serving bench-soak protos
 
 setup:
 	./scripts/setup.sh
@@ -24,6 +24,9 @@ bench: setup
 
 bench-serving: setup
 	HF_HUB_OFFLINE=1 $(VENV)/bin/python bench/serving.py
+
+bench-soak: setup
+	HF_HUB_OFFLINE=1 $(VENV)/bin/python bench/soak.py
 
 # Regenerate the gRPC modules from router/protos/kvserve.proto (tests fail when they are stale).
 protos: setup

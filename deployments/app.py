@@ -4,11 +4,17 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from ray.serve import Application
-from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
+from ray.serve.config import (
+    AutoscalingConfig,
+    AutoscalingPolicy,
+    BackpressureConfig,
+    RequestRouterConfig,
+)
 
 from deployments.autoscaling import KVPressurePolicy
 from replica.deployment import LLMServer
 from replica.model_loader import BUNDLED_NAME
+from router.body_limit import DEFAULT_MAX_REQUEST_BYTES
 from router.coordinator import coordinator_address
 from router.http import OpenAIIngress
 from router.kv_router import KVAwareRouter
@@ -49,10 +55,15 @@ class AppConfig(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
     grpc_port: int = Field(default=9000, ge=1, le=65535)
-    # Requests one replica works on at once, and requests queued in callers for the
-    # replicas beyond that (-1: unbounded); past the queue, HTTP 429 / RESOURCE_EXHAUSTED.
+    # Requests one replica works on at once, and requests queued in each caller (the
+    # HTTP/gRPC proxy for the ingress, the ingress for the replicas) beyond that (-1:
+    # unbounded); past the queue, HTTP 429 with Retry-After / RESOURCE_EXHAUSTED.
     max_ongoing_requests: int = Field(default=256, ge=1)
-    max_queued_requests: int = Field(default=-1, ge=-1)
+    max_queued_requests: int = Field(default=1024, ge=-1)
+    # Requests one replica's engine lets wait for a KV slot; past it the request is
+    # tried on another replica, then answered 429. Overrides engine_args["max_waiting"].
+    max_waiting: int = Field(default=64, ge=0)
+    max_request_bytes: int = Field(default=DEFAULT_MAX_REQUEST_BYTES, ge=1024)  # larger bodies: 413
     # Clients must send one of these (HTTP `Authorization: Bearer`, gRPC metadata
     # `authorization`); empty: no keys. Prefer the KVSERVE_API_KEYS variable of `kvserve serve`.
     api_keys: list[str] = Field(default_factory=list, repr=False)
@@ -81,8 +92,14 @@ def build_app(config: AppConfig | dict) -> Application:
         max_queued_requests=config.max_queued_requests,
         ray_actor_options={"num_cpus": config.num_cpus_per_replica, "num_gpus": config.num_gpus_per_replica},
         **options,
-    ).bind({**config.engine_args, "model": config.model}, coordinator)
-    return OpenAIIngress.bind(llm, config.model_name, config.model, coordinator, config.api_keys)
+    ).bind({**config.engine_args, "model": config.model, "max_waiting": config.max_waiting}, coordinator)
+    ingress = OpenAIIngress.options(
+        max_queued_requests=config.max_queued_requests,
+        backpressure_config=BackpressureConfig(status_code=429, retry_after_s=1),
+    )
+    return ingress.bind(
+        llm, config.model_name, config.model, coordinator, config.api_keys, config.max_request_bytes
+    )
 
 
 def autoscaling_config(settings: Autoscaling) -> AutoscalingConfig:

@@ -52,6 +52,12 @@ def main(argv: list[str] | None = None) -> int:
         help="require this key (repeatable); KVSERVE_API_KEYS takes comma-separated keys too",
     )
     srv.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
+    srv.add_argument(
+        "--max-waiting",
+        type=int,
+        default=64,
+        help="requests a replica lets wait for KV room; past it: another replica, then 429",
+    )
 
     bat = commands.add_parser(
         "batch", parents=[model_args], help="run a JSONL/Parquet file of prompts through Ray Data"
@@ -153,8 +159,9 @@ def _serve(args: argparse.Namespace) -> int:
             host=args.host,
             port=args.port,
             grpc_port=args.grpc_port,
+            max_waiting=args.max_waiting,
             api_keys=args.api_key
-            + [k for k in os.environ.get("KVSERVE_API_KEYS", "").split(",") if k.strip()],
+            + [k.strip() for k in os.environ.get("KVSERVE_API_KEYS", "").split(",") if k.strip()],
             engine_args={"dtype": args.dtype, "kv_cache_memory_gb": args.kv_cache_memory_gb},
         )
     except ValueError as e:

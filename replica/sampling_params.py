@@ -56,8 +56,8 @@ class SamplingParams:
             f"min_p must be in [0, 1], got {self.min_p!r}",
         )
         check(
-            self.seed is None or _is_int(self.seed),
-            f"seed must be an integer, got {self.seed!r}",
+            self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**64),
+            f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}",
         )
         check(
             all(isinstance(s, str) and s for s in self.stop),

@@ -10,21 +10,48 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import AutoTokenizer
 
 from replica.llm import chat_prompt_ids
 from replica.model_loader import resolve_model
+from router.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
 from router.coordinator import get_coordinator
 from router.generation import APIError, Generation, start_generation
 from router.grpc_api import GrpcAPI
 from router.metrics import ServingMetrics
-from router.protocol import ChatCompletionRequest, CompletionRequest
+from router.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
 
 app = FastAPI(title="kvserve")
+app.add_middleware(BodySizeLimit)
+
+_ERRORS = {400: "invalid request", 401: "missing or wrong API key", 404: "unknown model"}
+_ERRORS |= {413: "request body too large", 429: "overloaded; retry after Retry-After seconds"}
+_ERRORS |= {503: "no replica could serve the request"}
+_ERROR_401 = {"model": ErrorResponse, "description": _ERRORS[401]}
+GENERATION_RESPONSES = {
+    200: {"content": {"text/event-stream": {}}, "description": "JSON, or server-sent events with stream"},
+    **{status: {"model": ErrorResponse, "description": why} for status, why in _ERRORS.items()},
+}
+
+
+def _openapi() -> dict:
+    """FastAPI's schema, less its 422 answers: validation errors here are OpenAI's 400."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version="0.1.0", routes=app.routes)
+        for operations in schema["paths"].values():
+            for operation in operations.values():
+                operation["responses"].pop("422", None)
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+app.openapi = _openapi
 
 
 def error_response(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
@@ -42,8 +69,18 @@ async def _api_error(request: Request, e: APIError):
 async def _validation_error(request: Request, e: RequestValidationError):
     # OpenAI answers 400 (not FastAPI's 422) for malformed bodies and bad values.
     first = e.errors()[0] if e.errors() else {}
+    if first.get("type") == "json_invalid":
+        return error_response(400, f"body is not valid JSON: {first.get('ctx', {}).get('error', '')}")
     where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
     return error_response(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}", where)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, e: StarletteHTTPException):
+    """FastAPI's own errors (unreadable body, unknown path, wrong method) in OpenAI's shape."""
+    response = error_response(e.status_code, str(e.detail), kind="invalid_request_error")
+    response.headers.update(e.headers or {})
+    return response
 
 
 async def _sse(formatter: "_Formatter", generation: Generation, include_usage: bool) -> AsyncIterator[str]:
@@ -161,8 +198,10 @@ class OpenAIIngress(GrpcAPI):
         model: str | None = None,
         coordinator: tuple[str, str] | None = None,
         api_keys: list[str] | None = None,
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     ):
         """api_keys: when given, /v1/* and every gRPC call need one of them."""
+        app.state.max_request_bytes = max_request_bytes
         self.llm = llm
         self.coordinator = get_coordinator(coordinator) if coordinator else None
         self.metrics = ServingMetrics(model_name)
@@ -174,24 +213,24 @@ class OpenAIIngress(GrpcAPI):
     async def health(self) -> dict:
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", include_in_schema=False)
     async def metrics(self) -> Response:
         snapshot = await self.coordinator.snapshot.remote() if self.coordinator else {}
         return Response(self.metrics.exposition(snapshot), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses={401: _ERROR_401})
     async def models(self, request: Request) -> dict:
         self._check_auth(request.headers.get("authorization"))
         card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "kvserve"}
         return {"object": "list", "data": [card]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=GENERATION_RESPONSES)
     async def completions(self, body: CompletionRequest, request: Request):
         self._check_auth(request.headers.get("authorization"))
         prompt, params = self._completion_input(body)
         return await self._respond(body, prompt, params, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         self._check_auth(request.headers.get("authorization"))
         prompt, params = self._chat_input(body)

@@ -1,8 +1,10 @@
 """OpenAI request schemas (pydantic) and their mapping onto engine sampling params."""
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+TokenId = Annotated[int, Field(ge=0)]
 
 
 class StreamOptions(BaseModel):
@@ -27,7 +29,7 @@ class _SamplingFields(BaseModel):
     top_k: int = Field(default=0, ge=-1)
     min_p: float = Field(default=0.0, ge=0, le=1)
     repetition_penalty: float = Field(default=1.0, gt=0, le=2)
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> dict:
@@ -50,7 +52,7 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int]
+    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
     max_tokens: int | None = Field(default=16, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: Literal[False] = False
@@ -70,3 +72,16 @@ class ChatCompletionRequest(_SamplingFields):
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body, which every 4xx and 5xx answer carries."""
+
+    error: ErrorDetail

@@ -1,14 +1,21 @@
-"""Faults on a real local Serve app: a replica killed in the middle of a stream."""
+"""Faults and overload on a real local Serve app: replicas killed mid-stream and with
+requests queued, and a replica whose waiting queue is full."""
 
+import concurrent.futures
 import json
 import time
 
+import grpc
 import httpx
+import pytest
 import ray
-from conftest import SERVE_HTTP_PORT, replica_actor, undeploy
+from conftest import SERVE_GRPC_PORT, SERVE_HTTP_PORT, replica_actor, undeploy, wait_for
 from ray import serve
 
 from deployments.app import build_app
+from router.coordinator import coordinator_address
+from router.protos import kvserve_pb2 as pb
+from router.protos import kvserve_pb2_grpc as pb_grpc
 
 APP = "fault-test"
 MODEL = "SmolLM2-135M-Instruct"
@@ -35,3 +42,103 @@ def test_a_replica_killed_mid_stream_ends_the_sse_stream_with_an_error_event(ray
         assert error["code"] == 503 and "replica unavailable" in error["message"]
     finally:
         undeploy(APP)
+
+
+def coordinator_snapshot(app: str) -> dict:
+    namespace, name = coordinator_address(app)
+    return ray.get(ray.get_actor(name, namespace=namespace).snapshot.remote())
+
+
+def stream_completion(url: str, body: dict) -> dict:
+    """One streamed completion: its tokens, and how it ended (finish reason or error)."""
+    tokens, end = 0, None
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=120) as response:
+        if response.status_code != 200:
+            return {"status": response.status_code, "tokens": 0, "end": response.read().decode()}
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: ") :])
+            if "error" in event:
+                end = event["error"]
+            else:
+                tokens += bool(event["choices"][0]["text"])
+                end = event["choices"][0]["finish_reason"] or end
+    return {"status": 200, "tokens": tokens, "end": end}
+
+
+def test_a_replica_kill_retries_queued_requests_and_leaks_nothing(ray_cluster, model_path):
+    """Two replicas that run one request at a time, eight requests: each replica runs
+    one and queues three. Killing one replica fails only the request it was streaming;
+    its queued ones had produced nothing and finish on the other replica. Serve starts a
+    replacement, the coordinator forgets the dead replica, and no block stays taken."""
+    app = "fault-retry"
+    config = {"app_name": app, "model": str(model_path), "served_model_name": MODEL, "replicas": 2}
+    config["engine_args"] = {"num_kv_blocks": 256, "max_num_seqs": 1}
+    serve.run(build_app(config), name=app, route_prefix=f"/{app}")
+    try:
+        url = f"http://127.0.0.1:{SERVE_HTTP_PORT}/{app}/v1/completions"
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 48, "ignore_eos": True}
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(stream_completion, url, body) for _ in range(8)]
+
+            def queued_on_both() -> bool:
+                stats = coordinator_snapshot(app).values()
+                return len(stats) == 2 and all(s["num_running"] == 1 and s["num_waiting"] for s in stats)
+
+            wait_for(queued_on_both, timeout_s=60)
+            victim = max(coordinator_snapshot(app).items(), key=lambda kv: kv[1]["num_waiting"])[0]
+            ray.kill(ray.get_actor(f"SERVE_REPLICA::{app}#LLMServer#{victim}", namespace="serve"))
+            results = [f.result() for f in futures]
+
+        failed = [r for r in results if r["end"] != "length"]
+        assert len(failed) == 1, results  # the one the dead replica was streaming
+        assert failed[0]["status"] == 200 and failed[0]["tokens"] > 0
+        assert failed[0]["end"]["code"] == 503
+        assert all(r["tokens"] == 48 for r in results if r["end"] == "length")
+
+        def replaced_and_idle() -> bool:
+            snapshot = coordinator_snapshot(app)
+            return (
+                len(snapshot) == 2
+                and victim not in snapshot
+                and all(s["num_free_blocks"] == s["num_total_blocks"] for s in snapshot.values())
+                and not any(s["num_running"] or s["num_waiting"] for s in snapshot.values())
+            )
+
+        wait_for(replaced_and_idle, timeout_s=90, interval_s=0.5)
+    finally:
+        undeploy(app)
+
+
+def test_a_full_waiting_queue_answers_429_and_resource_exhausted(ray_cluster, model_path):
+    """One replica running one request with room for one more to wait: a third gets
+    429 with Retry-After over HTTP and RESOURCE_EXHAUSTED over gRPC, and the first two
+    finish untouched."""
+    app = "fault-full"
+    config = {"app_name": app, "model": str(model_path), "served_model_name": MODEL, "max_waiting": 1}
+    config["engine_args"] = {"num_kv_blocks": 128, "max_num_seqs": 1}
+    serve.run(build_app(config), name=app, route_prefix=f"/{app}")
+    try:
+        url = f"http://127.0.0.1:{SERVE_HTTP_PORT}/{app}/v1/completions"
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 64, "ignore_eos": True}
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            futures = [pool.submit(stream_completion, url, body) for _ in range(2)]
+
+            def full() -> bool:
+                (stats,) = coordinator_snapshot(app).values() or [{}]
+                return stats.get("num_running") == 1 and stats.get("num_waiting") == 1
+
+            wait_for(full, timeout_s=60)
+            refused = httpx.post(url, json={**body, "max_tokens": 2}, timeout=60)
+            stub = pb_grpc.LLMStub(grpc.insecure_channel(f"127.0.0.1:{SERVE_GRPC_PORT}"))
+            request = pb.GenerateRequest(model=MODEL, prompt="Hi", params=pb.SamplingParams(max_tokens=2))
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Generate(request, metadata=[("application", app)])
+            results = [f.result() for f in futures]
+        assert refused.status_code == 429 and refused.headers["retry-after"] == "1", refused.text
+        assert refused.json()["error"]["type"] == "rate_limit_error"
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
+        assert [r["end"] for r in results] == ["length", "length"]
+    finally:
+        undeploy(app)
