@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 from replica.llm import chat_prompt_ids
 from replica.model_loader import resolve_model
@@ -206,7 +206,9 @@ class OpenAIIngress(GrpcAPI):
         self.coordinator = get_coordinator(coordinator) if coordinator else None
         self.metrics = ServingMetrics(model_name)
         self.model_name = model_name
-        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(model))
+        path = resolve_model(model)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.vocab_size = getattr(AutoConfig.from_pretrained(path), "vocab_size", None) or len(self.tokenizer)
         self._api_keys = [key.encode() for key in api_keys or []]
 
     @app.get("/health")
@@ -263,8 +265,14 @@ class OpenAIIngress(GrpcAPI):
         the replicas: the KV router hashes them into blocks."""
         self._check_model(body.model)
         params = body.sampling_params(body.max_tokens, body.logprobs)
-        prompt = self.tokenizer(body.prompt).input_ids if isinstance(body.prompt, str) else body.prompt
-        return prompt, params
+        if isinstance(body.prompt, str):
+            return self.tokenizer(body.prompt).input_ids, params
+        # Checked here, not only by the engine: the router hashes ids as 64-bit integers.
+        if max(body.prompt) >= self.vocab_size:
+            raise APIError(
+                400, f"prompt token ids must be below the vocabulary size {self.vocab_size}", "prompt"
+            )
+        return body.prompt, params
 
     def _chat_input(self, body: ChatCompletionRequest) -> tuple[list[int], dict]:
         self._check_model(body.model)

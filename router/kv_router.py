@@ -163,10 +163,21 @@ class KVAwareRouter(RequestRouter):
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
         self._start_refresher()
+        try:
+            ranks = self._rank(candidate_replicas, pending_request)
+        except Exception:  # an exception here would leave the request unrouted for good
+            logger.exception("KV router: ranking failed, routing by power of two")
+            ranks = None
+        return ranks or [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
+
+    def _rank(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None
+    ) -> list[list[RunningReplica]] | None:
+        """Ranks of replicas, best first; None without a request or a view of every replica."""
         request = routed_request(pending_request)
         views = {r.replica_id: self._views.get(r.replica_id.unique_id) for r in candidate_replicas}
         if request is None or not views or any(v is None for v in views.values()):
-            return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
+            return None
         candidates = {
             replica_id: (
                 *net_free_blocks(request, view, self._promised_blocks(replica_id.unique_id)),

@@ -79,6 +79,7 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}]}
         ("/v1/completions", {**COMPLETION, "prompt": []}),
         ("/v1/completions", {**COMPLETION, "prompt": [-1]}),
         ("/v1/completions", {**COMPLETION, "prompt": [10**12]}),
+        ("/v1/completions", {**COMPLETION, "prompt": [1, 10**30]}),  # beyond 64 bits
         ("/v1/completions", {**COMPLETION, "max_tokens": 0}),
         ("/v1/completions", {**COMPLETION, "max_tokens": -5}),
         ("/v1/completions", {**COMPLETION, "max_tokens": 1e30}),
@@ -119,6 +120,16 @@ def test_oversized_bodies_get_413_declared_or_streamed(app):
     assert "content-length" not in r.request.headers
     assert_openai_error(r, 413)
     assert post("/v1/completions", {**COMPLETION, "max_tokens": 2}).status_code == 200
+
+
+def test_cors_is_off(app):
+    """No CORS headers, so a browser page from another origin cannot read answers."""
+    origin = {"Origin": "http://elsewhere.example"}
+    r = httpx.get(BASE + "/v1/models", headers={**AUTH, **origin})
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    preflight = {**origin, "Access-Control-Request-Method": "POST"}
+    r = httpx.options(BASE + "/v1/completions", headers=preflight)
+    assert r.status_code >= 400 and "access-control-allow-origin" not in r.headers
 
 
 def test_keys_are_required_and_never_logged(app):
@@ -170,6 +181,6 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(app, mode):
         def call(case):
             if mode is GenerationMode.POSITIVE and isinstance(case.body, dict):
                 case.body["model"] = MODEL  # still schema-valid; reaches generation, not 404
-            case.call_and_validate(base_url=BASE, headers=AUTH, timeout=60, checks=CHECKS)
+            case.call_and_validate(base_url=BASE, headers=AUTH, timeout=30, checks=CHECKS)
 
         call()

@@ -50,21 +50,30 @@ def coordinator_snapshot(app: str) -> dict:
 
 
 def stream_completion(url: str, body: dict) -> dict:
-    """One streamed completion: its tokens, and how it ended (finish reason or error)."""
-    tokens, end = 0, None
-    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=120) as response:
+    """One streamed completion: chunks received, generated tokens (from the usage chunk)
+    and how it ended (finish reason, or the error event)."""
+    chunks, tokens, end = 0, None, None
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", url, json=body, timeout=120) as response:
         if response.status_code != 200:
-            return {"status": response.status_code, "tokens": 0, "end": response.read().decode()}
+            return {
+                "status": response.status_code,
+                "chunks": 0,
+                "tokens": None,
+                "end": response.read().decode(),
+            }
         for line in response.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line[len("data: ") :])
             if "error" in event:
                 end = event["error"]
+            elif event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
             else:
-                tokens += bool(event["choices"][0]["text"])
+                chunks += 1
                 end = event["choices"][0]["finish_reason"] or end
-    return {"status": 200, "tokens": tokens, "end": end}
+    return {"status": 200, "chunks": chunks, "tokens": tokens, "end": end}
 
 
 def test_a_replica_kill_retries_queued_requests_and_leaks_nothing(ray_cluster, model_path):
@@ -93,7 +102,7 @@ def test_a_replica_kill_retries_queued_requests_and_leaks_nothing(ray_cluster, m
 
         failed = [r for r in results if r["end"] != "length"]
         assert len(failed) == 1, results  # the one the dead replica was streaming
-        assert failed[0]["status"] == 200 and failed[0]["tokens"] > 0
+        assert failed[0]["status"] == 200 and failed[0]["chunks"] > 0
         assert failed[0]["end"]["code"] == 503
         assert all(r["tokens"] == 48 for r in results if r["end"] == "length")
 
