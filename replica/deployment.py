@@ -81,6 +81,7 @@ class LLMServer:
         return {
             "block_size": self.engine.config.block_size,
             "max_model_len": self.engine.max_model_len,
+            "max_waiting": self.engine.config.max_waiting,
             "num_free_blocks": s.kv.num_free_blocks,
             "num_total_blocks": s.kv.num_total_blocks,
             "kv_cache_usage": s.kv.usage,

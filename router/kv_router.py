@@ -14,6 +14,9 @@ it ranks replicas by
 3. then queue length: replicas that tie on both keys form one rank, and Serve picks
    the one with the fewest ongoing requests within it.
 
+Replicas whose waiting queue is full (`max_waiting`) would refuse the request, so they
+come last whatever their keys.
+
 The snapshot is up to ~200 ms old, so the router also remembers the blocks it promised
 each replica since that replica's last report; a burst of requests spreads out instead of
 piling onto whichever replica looked emptiest. Without a snapshot (coordinator gone,
@@ -53,6 +56,7 @@ class ReplicaView:
     total_blocks: int
     cached_hashes: frozenset[bytes]
     reported_at: float  # wall clock, on the replica
+    accepting: bool = True  # False while its waiting queue is at max_waiting
 
     @classmethod
     def from_report(cls, report: dict) -> "ReplicaView":
@@ -63,6 +67,7 @@ class ReplicaView:
             total_blocks=report["num_total_blocks"],
             cached_hashes=frozenset(report["cached_block_hashes"]),
             reported_at=report["reported_at"],
+            accepting=report.get("max_waiting") is None or report["num_waiting"] < report["max_waiting"],
         )
 
 
@@ -109,17 +114,18 @@ def net_free_blocks(request: RoutedRequest, view: ReplicaView, promised_blocks: 
 
 
 def placement_keys(
-    candidates: dict[ReplicaID, tuple[int, int, int]], slack_fraction: float
-) -> dict[ReplicaID, tuple[int, int]]:
-    """Larger is better. candidates: replica -> (net free blocks, cached blocks, total blocks).
+    candidates: dict[ReplicaID, tuple[int, int, int, bool]], slack_fraction: float
+) -> dict[ReplicaID, tuple[bool, int, int]]:
+    """Larger is better. candidates: replica -> (net free blocks, cached blocks, total
+    blocks, accepting). Replicas that are not accepting rank last.
 
     Net free room is measured in steps of `slack_fraction` of the cache below the roomiest
     replica: every replica within one step of it ties, and the cached prefix decides."""
-    best = max(net for net, _, _ in candidates.values())
+    best = max(net for net, *_ in candidates.values())
     keys = {}
-    for replica_id, (net, hits, total) in candidates.items():
+    for replica_id, (net, hits, total, accepting) in candidates.items():
         slack = max(1, round(total * slack_fraction))
-        keys[replica_id] = (-((best - net) // slack), hits)
+        keys[replica_id] = (accepting, -((best - net) // slack), hits)
     return keys
 
 
@@ -182,6 +188,7 @@ class KVAwareRouter(RequestRouter):
             replica_id: (
                 *net_free_blocks(request, view, self._promised_blocks(replica_id.unique_id)),
                 view.total_blocks,
+                view.accepting,
             )
             for replica_id, view in views.items()
         }

@@ -22,7 +22,7 @@ MODEL = "SmolLM2-135M-Instruct"
 NUM_BLOCKS, BLOCK = 64, 16
 
 
-def view(free: int, cached: list[bytes] = (), total: int = 64) -> ReplicaView:
+def view(free: int, cached: list[bytes] = (), total: int = 64, accepting: bool = True) -> ReplicaView:
     return ReplicaView(
         block_size=16,
         max_model_len=1024,
@@ -30,13 +30,14 @@ def view(free: int, cached: list[bytes] = (), total: int = 64) -> ReplicaView:
         total_blocks=total,
         cached_hashes=frozenset(cached),
         reported_at=time.time(),
+        accepting=accepting,
     )
 
 
 def keys(prompt: list[int], views: dict[str, ReplicaView], promised: dict[str, int] | None = None) -> dict:
     promised = promised or {}
     candidates = {
-        r: (*net_free_blocks(RoutedRequest(prompt, 1), v, promised.get(r, 0)), v.total_blocks)
+        r: (*net_free_blocks(RoutedRequest(prompt, 1), v, promised.get(r, 0)), v.total_blocks, v.accepting)
         for r, v in views.items()
     }
     return placement_keys(candidates, slack_fraction=0.125)  # 8 blocks of 64
@@ -90,6 +91,18 @@ def test_promised_blocks_count_against_a_replica():
     prompt = list(range(300, 332))
     k = keys(prompt, {"a": view(free=40), "b": view(free=30)}, promised={"a": 24})
     assert k["b"] > k["a"]
+
+
+def test_a_replica_with_a_full_waiting_queue_ranks_last():
+    prompt = list(range(100, 164))
+    hashes = hash_full_blocks(prompt[:-1], 16)
+    k = keys(prompt, {"full": view(free=60, cached=hashes, accepting=False), "open": view(free=10)})
+    assert k["open"] > k["full"]
+    report = {"block_size": 16, "max_model_len": 1024, "num_free_blocks": 9, "num_pending_blocks": 0}
+    report |= {"num_total_blocks": 64, "cached_block_hashes": [], "reported_at": 0.0}
+    assert not ReplicaView.from_report({**report, "num_waiting": 4, "max_waiting": 4}).accepting
+    assert ReplicaView.from_report({**report, "num_waiting": 3, "max_waiting": 4}).accepting
+    assert ReplicaView.from_report({**report, "num_waiting": 99, "max_waiting": None}).accepting
 
 
 def test_group_ranks_best_first_and_ties_share_a_rank():
