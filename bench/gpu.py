@@ -39,7 +39,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig  # noqa: E402
 
-from bench.offline import make_workload  # noqa: E402
+from bench.offline import generate_all, make_workload, run_kvserve  # noqa: E402
 from replica import LLM, SamplingParams  # noqa: E402
 from replica.model_loader import resolve_model  # noqa: E402
 
@@ -112,15 +112,6 @@ def copy_bandwidth(device: str, nbytes: int) -> float:
     return 2 * nbytes * reps / (time.perf_counter() - start)
 
 
-def run_kvserve(llm: LLM, prompts, lengths) -> float:
-    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    assert [len(o.token_ids) for o in outs] == lengths
-    return elapsed
-
-
 def run_hf_static(model, prompts, lengths, batch_size: int, device: str) -> float:
     eos = model.config.eos_token_id
     start = time.perf_counter()
@@ -150,18 +141,8 @@ def run_hf_generate_batch(model, prompts, lengths, max_batch: int, smoke: bool) 
         generation_config=config, continuous_batching_config=cb_config, block=True, timeout=60
     ) as manager:
         start = time.perf_counter()
-        for i, (p, n) in enumerate(zip(prompts, lengths, strict=True)):
-            manager.add_request(p, request_id=str(i), max_new_tokens=n, eos_token_id=-1)
-        done = {}
-        while len(done) < len(prompts):
-            result = manager.get_result(timeout=5)
-            if result is not None and result.is_finished():
-                done[result.request_id] = len(result.generated_tokens)
-            elif result is None and not manager.is_running():
-                raise RuntimeError("transformers continuous batching stopped early")
-        elapsed = time.perf_counter() - start
-    assert [done[str(i)] for i in range(len(prompts))] == lengths
-    return elapsed
+        generate_all(manager, prompts, lengths)
+        return time.perf_counter() - start
 
 
 def batch1_step(llm: LLM, prompt: list[int], steps: int, device: str) -> dict:

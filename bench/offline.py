@@ -74,18 +74,23 @@ def run_hf_generate_batch(model, prompts, lengths, max_batch: int) -> float:
     with model.continuous_batching_context_manager(
         generation_config=config, continuous_batching_config=cb_config, block=True, timeout=30
     ) as manager:
-        for i, (p, n) in enumerate(zip(prompts, lengths, strict=True)):
-            manager.add_request(p, request_id=str(i), max_new_tokens=n, eos_token_id=-1)
-        done = {}
-        while len(done) < len(prompts):
-            result = manager.get_result(timeout=5)
-            if result is not None and result.is_finished():
-                done[result.request_id] = len(result.generated_tokens)
-            elif result is None and not manager.is_running():
-                raise RuntimeError("transformers continuous batching stopped early")
-    elapsed = time.perf_counter() - start
+        generate_all(manager, prompts, lengths)
+    return time.perf_counter() - start
+
+
+def generate_all(manager, prompts, lengths) -> None:
+    """Hands every request to a running transformers continuous-batching manager and waits
+    until each has generated exactly its own length."""
+    for i, (p, n) in enumerate(zip(prompts, lengths, strict=True)):
+        manager.add_request(p, request_id=str(i), max_new_tokens=n, eos_token_id=-1)
+    done = {}
+    while len(done) < len(prompts):
+        result = manager.get_result(timeout=5)
+        if result is not None and result.is_finished():
+            done[result.request_id] = len(result.generated_tokens)
+        elif result is None and not manager.is_running():
+            raise RuntimeError("transformers continuous batching stopped early")
     assert [done[str(i)] for i in range(len(prompts))] == lengths
-    return elapsed
 
 
 def gemm_rate(dtype: torch.dtype) -> float:

@@ -30,9 +30,14 @@ from router.protocol import ChatCompletionRequest, CompletionRequest, ErrorRespo
 app = FastAPI(title="kvserve")
 app.add_middleware(BodySizeLimit)
 
-_ERRORS = {400: "invalid request", 401: "missing or wrong API key", 404: "unknown model"}
-_ERRORS |= {413: "request body too large", 429: "overloaded; retry after Retry-After seconds"}
-_ERRORS |= {503: "no replica could serve the request"}
+_ERRORS = {
+    400: "invalid request",
+    401: "missing or wrong API key",
+    404: "unknown model",
+    413: "request body too large",
+    429: "overloaded; retry after Retry-After seconds",
+    503: "no replica could serve the request",
+}
 _ERROR_401 = {"model": ErrorResponse, "description": _ERRORS[401]}
 GENERATION_RESPONSES = {
     200: {"content": {"text/event-stream": {}}, "description": "JSON, or server-sent events with stream"},
