@@ -97,13 +97,12 @@ class Generator:
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 if out.finished:
-                    done = out.outputs[0]
                     results[out.request_id] = _result(
                         out.request_id,
-                        text=done.text,
-                        finish_reason=done.finish_reason,
-                        prompt_tokens=len(out.prompt_token_ids),
-                        completion_tokens=len(done.token_ids),
+                        text=out.output.text,
+                        finish_reason=out.finish_reason,
+                        prompt_tokens=out.num_prompt_tokens,
+                        completion_tokens=out.num_output_tokens,
                     )
         columns = {name: [] for name in OUTPUT_SCHEMA.names}
         for result in results.values():

@@ -139,7 +139,7 @@ def _generate(args: argparse.Namespace) -> int:
             sys.stdout.flush()
             if out.finished:
                 sys.stdout.write("\n")
-                print(f"[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}]", file=sys.stderr)
+                print(f"[{out.num_output_tokens} tokens, finish_reason={out.finish_reason}]", file=sys.stderr)
     return 0
 
 

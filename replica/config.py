@@ -4,7 +4,7 @@ from dataclasses import dataclass, fields
 
 SCHEDULING_POLICIES = ("continuous", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flash_attn")
 
 
 @dataclass
@@ -23,13 +23,18 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's, clipped to the KV capacity
     enable_prefix_caching: bool = True
     scheduling_policy: str = "continuous"
-    # auto: flash_attn > triton > torch on CUDA (each if installed), torch on CPU.
+    # auto: flash_attn > triton > torch on CUDA (each if installed); on CPU, kvserve's C
+    # kernels (cpu) where they build, else torch.
     attention_backend: str = "auto"
     # Pure-decode steps of up to cuda_graph_max_batch sequences replay captured CUDA graphs
     # (kernel backends on CUDA only; ignored on CPU and with the torch backend).
     enable_cuda_graphs: bool = True
     cuda_graph_max_batch: int = 256
     seed: int = 0
+    # Launch step N+1 before reading step N's sampled tokens (vLLM's async scheduling,
+    # SGLang's overlap scheduler). None: on for CUDA, off on CPU, where host and "device"
+    # share the cores and there is nothing to overlap.
+    async_scheduling: bool | None = None
     # Requests allowed to wait for admission; past it add_request raises QueueFullError.
     # None (offline default): unbounded, since a batch job hands over all its rows at once.
     max_waiting: int | None = None

@@ -122,15 +122,22 @@ class DecodeGraphRunner:
         torch.cuda.synchronize()
 
     def run(
-        self, token_ids: list[int], context_lens: list[int], block_tables: list[list[int]]
+        self,
+        token_ids: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        fill: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """One decode step of len(token_ids) sequences; returns their hidden states [n, E].
-        The result is a view into graph memory, valid until the next run."""
+        `fill` (row indices, token ids) sets tokens that are still on the device (async
+        scheduling). The result is a view into graph memory, valid until the next run."""
         n = len(token_ids)
         bucket = bucket_for(n, self.sizes)
         if bucket is None:
             raise ValueError(f"{n} sequences exceed the largest graph batch {self.max_batch}")
         self._load(token_ids, context_lens, block_tables, bucket)
+        if fill is not None:
+            self.rows[fill[0], TOKEN] = fill[1]
         if bucket in self.graphs:
             self.graphs[bucket].replay()
             hidden = self.outputs[bucket]

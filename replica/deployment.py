@@ -22,7 +22,7 @@ from ray import serve
 
 from replica.config import EngineConfig
 from replica.engine import Engine
-from replica.outputs import RequestOutput
+from replica.outputs import RequestDelta
 from replica.sampling_params import SamplingParams
 
 logger = logging.getLogger("ray.serve")
@@ -165,27 +165,23 @@ class LLMServer:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wakeup.wait(), timeout=STATS_PUSH_INTERVAL_S)
 
-    def _step(self) -> tuple[list[RequestOutput], bool]:
+    def _step(self) -> tuple[list[RequestDelta], bool]:
         outputs = self.engine.step() if self.engine.has_unfinished() else []
         if time.time() - self._report["reported_at"] >= STATS_PUSH_INTERVAL_S:
             self._report = self._build_report()
         return outputs, self.engine.has_unfinished()
 
 
-def _delta(out: RequestOutput, replica_id: str) -> dict:
-    completion = out.outputs[0]
-    new_logprobs = None
-    if completion.logprobs is not None:
-        new_logprobs = [asdict(lp) for lp in completion.logprobs[-len(out.new_token_ids) :]]
+def _delta(out: RequestDelta, replica_id: str) -> dict:
     return {
         "request_id": out.request_id,
         "replica_id": replica_id,
         "text": out.new_text,
         "token_ids": out.new_token_ids,
-        "logprobs": new_logprobs,
+        "logprobs": None if out.new_logprobs is None else [asdict(lp) for lp in out.new_logprobs],
         "finished": out.finished,
-        "finish_reason": completion.finish_reason,
-        "num_prompt_tokens": len(out.prompt_token_ids),
-        "num_output_tokens": len(completion.token_ids),
+        "finish_reason": out.finish_reason,
+        "num_prompt_tokens": out.num_prompt_tokens,
+        "num_output_tokens": out.num_output_tokens,
         "num_cached_tokens": out.num_cached_tokens,
     }

@@ -1,5 +1,6 @@
 """The engine: scheduler (CPU bookkeeping) + model runner (device) + sampler +
-detokenizer. `step()` runs one iteration of continuous batching."""
+detokenizer. `step()` runs one iteration of continuous batching and returns, for each
+request that produced a token, only what is new (outputs.RequestDelta)."""
 
 import itertools
 from dataclasses import dataclass, replace
@@ -9,13 +10,15 @@ from transformers import AutoTokenizer
 
 from kvcache import KVCacheManager, KVStats
 from replica.config import EngineConfig
+from replica.cpu import ops as cpu_ops
 from replica.detokenizer import IncrementalDetokenizer
 from replica.model_loader import resolve_model
 from replica.model_runner import ModelRunner
-from replica.outputs import CompletionOutput, RequestOutput
-from replica.request import FinishReason, Request, TokenLogprob
-from replica.sampler import SamplingBatch, sample
+from replica.outputs import RequestDelta, TokenLogprob
+from replica.request import PENDING, FinishReason, Request
+from replica.sampler import SamplerOutput, sample, torch_argmax
 from replica.sampling_params import SamplingParams
+from replica.sampling_state import SamplingState
 from replica.scheduler import Scheduler
 
 
@@ -30,6 +33,15 @@ class EngineStats:
     num_waiting: int
     num_pending_blocks: int
     num_preemptions: int
+
+
+@dataclass
+class _InFlight:
+    """A launched step: the requests that sample, in row order, and their tokens, which
+    stay on the device until the step is completed."""
+
+    requests: list[Request]
+    sampled: SamplerOutput | None
 
 
 class Engine:
@@ -48,8 +60,15 @@ class Engine:
         self.max_model_len = self.runner.max_model_len
         self.eos_token_ids = _eos_ids(self.runner.model.generation_config, self.tokenizer)
         self._requests: dict[str, Request] = {}
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self._generators: dict[str, torch.Generator] = {}
+        self.sampling = SamplingState(config.max_num_seqs, self.runner.vocab_size, self.runner.device)
+        self._argmax = cpu_ops.argmax if self.runner.backend.name == "cpu" else torch_argmax
+        # Overlap host work with the device's: worth it where they are separate (CUDA).
+        self.async_scheduling = (
+            config.async_scheduling
+            if config.async_scheduling is not None
+            else self.runner.device.type == "cuda"
+        )
+        self._in_flight: _InFlight | None = None
         self._ids = itertools.count()
 
     def add_request(
@@ -71,6 +90,10 @@ class Engine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         room = self.max_model_len - len(token_ids)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.runner.device)
+            generator.manual_seed(params.seed)
         request = Request(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -78,13 +101,10 @@ class Engine:
             max_tokens=min(params.max_tokens or room, room),
             eos_token_ids=self.eos_token_ids,
             prompt=text,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params.stop),
+            generator=generator,
         )
         self._requests[request_id] = request
-        self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop)
-        if params.seed is not None:
-            generator = torch.Generator(device=self.runner.device)
-            generator.manual_seed(params.seed)
-            self._generators[request_id] = generator
         self.scheduler.add(request)
         return request_id
 
@@ -92,41 +112,70 @@ class Engine:
         request = self._requests.get(request_id)
         if request is None:
             return False
-        self.scheduler.finish(request, FinishReason.ABORT)
-        self._forget(request_id)
+        self._finish(request, FinishReason.ABORT)
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestDelta]:
+        """One iteration: schedule and run a forward pass, sample, and return what the
+        requests produced. With async scheduling, the step returns what the *previous*
+        launch sampled: it launches its own work first and reads the previous tokens while
+        the device runs it, so the device never waits for the host between steps."""
+        launched = self._launch()
+        if not self.async_scheduling:
+            return self._complete(launched) if launched is not None else []
+        previous, self._in_flight = self._in_flight, launched
+        return self._complete(previous) if previous is not None else []
+
+    def _launch(self) -> _InFlight | None:
         plan = self.scheduler.schedule()
+        for request in plan.preempted:
+            self.sampling.remove(request.request_id)
         if not plan.scheduled:
-            return []
+            return None
         # The runner wants decode rows (one new token) first.
         items = sorted(plan.scheduled, key=lambda s: s.num_new_tokens != 1)
+        token_ids = [s.new_token_ids for s in items]
         sample_rows = [i for i, s in enumerate(items) if s.samples]
+        # A decode row whose input is the previous launch's sampled token (async only)
+        # reads it on the device: (its row here, its row in the previous SamplerOutput).
+        pending = [(i, s.request.pending_row) for i, s in enumerate(items) if token_ids[i] == [PENDING]]
+        fill = None
+        if pending:
+            rows, sources = zip(*pending, strict=True)
+            device = self.runner.device
+            previous = self._in_flight.sampled.token_ids
+            fill = (torch.tensor(rows, device=device), previous[torch.tensor(sources, device=device)])
         logits = self.runner.execute(
-            token_ids=[s.new_token_ids for s in items],
+            token_ids=token_ids,
             context_lens=[s.context_len for s in items],
             block_tables=[self.kv.block_ids(s.request.request_id) for s in items],
             sample_rows=sample_rows,
+            fill=fill,
         )
         self.scheduler.advance(plan)
-        if not sample_rows:
-            return []
-
         requests = [items[i].request for i in sample_rows]
-        batch = SamplingBatch.from_requests(
-            requests,
-            [self._generators.get(r.request_id) for r in requests],
-            logits.shape[-1],
-            logits.device,
-        )
-        sampled = sample(logits, batch)
+        if not requests:
+            return _InFlight([], None)
+        sampled = sample(logits, self.sampling.batch(requests), self._argmax)
+        self.sampling.record(requests, sampled.token_ids)
+        for row, request in enumerate(requests):  # placeholders until the tokens are read
+            request.token_ids.append(PENDING)
+            request.num_pending += 1
+            request.pending_row = row
+        return _InFlight(requests, sampled)
+
+    def _complete(self, launched: _InFlight) -> list[RequestDelta]:
+        if launched.sampled is None:
+            return []
+        tokens, logprobs = launched.sampled.resolve()
         return [
             self._append_token(r, token, logprob)
-            for r, token, logprob in zip(requests, sampled.token_ids, sampled.logprobs, strict=True)
+            for r, token, logprob in zip(launched.requests, tokens, logprobs, strict=True)
+            # Finished (stop, length or abort) while this token was in flight: it is dropped.
+            if not r.is_finished
         ]
 
     def stats(self) -> EngineStats:
@@ -138,40 +187,35 @@ class Engine:
             num_preemptions=self.scheduler.num_preemptions,
         )
 
-    def _append_token(self, request: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
-        request.token_ids.append(token)
+    def _append_token(self, request: Request, token: int, logprob: TokenLogprob | None) -> RequestDelta:
+        """Fill the request's oldest placeholder with its sampled token, then detokenize
+        and check the stop conditions."""
+        request.token_ids[len(request.token_ids) - request.num_pending] = token
+        request.num_pending -= 1
         if logprob is not None:
             request.logprobs.append(logprob)
-        detokenizer = self._detokenizers[request.request_id]
-        update = detokenizer.add_token(token)
+        update = request.detokenizer.add_token(token)
         new_text = update.new_text
 
         hit_eos = token in request.eos_token_ids and not request.params.ignore_eos
         reason = None
         if update.stopped or hit_eos or token in request.params.stop_token_ids:
             reason = FinishReason.STOP
-        elif request.num_output_tokens >= request.max_tokens:
+        elif request.num_output_tokens - request.num_pending >= request.max_tokens:
             reason = FinishReason.LENGTH
         if reason is not None:
-            new_text += detokenizer.flush()
-            self.scheduler.finish(request, reason)
-            self._forget(request.request_id)
-        return RequestOutput(
+            new_text += request.detokenizer.flush()
+            self._finish(request, reason)
+        return RequestDelta(
             request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=[
-                CompletionOutput(
-                    text=detokenizer.emitted_text,
-                    token_ids=list(request.output_token_ids),
-                    finish_reason=reason.value if reason else None,
-                    logprobs=list(request.logprobs) if request.logprobs is not None else None,
-                )
-            ],
-            finished=reason is not None,
-            new_text=new_text,
             new_token_ids=[token],
+            new_text=new_text,
+            new_logprobs=None if logprob is None else [logprob],
+            finish_reason=reason.value if reason else None,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens - request.num_pending,
             num_cached_tokens=request.num_cached_tokens,
+            output=request.output() if reason else None,
         )
 
     def _check_prompt(self, token_ids: list[int]) -> None:
@@ -186,10 +230,13 @@ class Engine:
                 f"{self.max_model_len} tokens (including at least one generated token)"
             )
 
-    def _forget(self, request_id: str) -> None:
-        self._requests.pop(request_id, None)
-        self._detokenizers.pop(request_id, None)
-        self._generators.pop(request_id, None)
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        self.scheduler.finish(request, reason)
+        self.sampling.remove(request.request_id)
+        self._requests.pop(request.request_id, None)
+        if request.num_pending:  # tokens still in flight past the end: never part of the output
+            del request.token_ids[len(request.token_ids) - request.num_pending :]
+            request.num_pending = 0
 
 
 def _eos_ids(generation_config, tokenizer) -> frozenset[int]:

@@ -48,10 +48,10 @@ class LLM:
         generated = 0
         with tqdm(total=len(request_ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished():
-                for out in self.engine.step():
-                    generated += len(out.new_token_ids)
-                    if out.finished:
-                        results[out.request_id] = out
+                for delta in self.engine.step():
+                    generated += len(delta.new_token_ids)
+                    if delta.finished:
+                        results[delta.request_id] = delta.output
                         bar.update(1)
                 bar.set_postfix(tokens=generated, refresh=False)
         return [results[i] for i in request_ids]

@@ -23,14 +23,17 @@ from replica.attention import (
     load_backend,
     register_backend,
 )
-from replica.attention.select import triton_interpret
+from replica.attention.select import CPU_KERNELS, cpu_kernels_built, triton_interpret
 from replica.config import EngineConfig
+from replica.cpu.decoder import optimize_for_cpu
 from replica.cuda_graphs import DecodeGraphRunner
 from replica.model_loader import ModelNotFoundError
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Decode rows whose input token is still on the device: (row indices, token ids).
+Fill = tuple[torch.Tensor, torch.Tensor]
 
 
 def resolve_device(device: str) -> torch.device:
@@ -58,16 +61,26 @@ def kv_blocks_for_gpu(total_bytes: int, utilization: float, used_bytes: int, byt
     return blocks
 
 
+def _transformers_decoder(decoder: torch.nn.Module):
+    def run(input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        return decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+
+    return run
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_path):
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype)
+        installed = installed_kernel_packages()
+        if (
+            self.device.type == "cpu"
+            and config.attention_backend in ("auto", CPU_KERNELS)
+            and cpu_kernels_built()
+        ):
+            installed |= {CPU_KERNELS}
         name = choose_backend(
-            config.attention_backend,
-            self.device.type,
-            self.dtype,
-            installed_kernel_packages(),
-            triton_interpret(),
+            config.attention_backend, self.device.type, self.dtype, installed, triton_interpret()
         )
         if config.attention_backend == "auto":
             logger.info("attention backend: %s (auto, on %s)", name, self.device.type)
@@ -87,7 +100,9 @@ class ModelRunner:
                 f"{type(self.model).__name__} does not support custom attention backends"
             )
         self.model.to(self.device).eval()
-        self.decoder = self.model.get_decoder()
+        fused = optimize_for_cpu(self.model) if name == CPU_KERNELS else None
+        # (input_ids [1, T], position_ids [1, T]) -> final hidden states [1, T, E]
+        self.run_decoder = fused or _transformers_decoder(self.model.get_decoder())
         self.lm_head = self.model.get_output_embeddings()
 
         hf = self.model.config
@@ -196,18 +211,22 @@ class ModelRunner:
     ) -> torch.Tensor:
         """The decoder over one packed [1, T] batch -> hidden states [1, T, E]."""
         with forward_context(ForwardContext(self.kv_caches, meta)):
-            return self.decoder(
-                input_ids=input_ids, position_ids=position_ids, use_cache=False
-            ).last_hidden_state
+            return self.run_decoder(input_ids, position_ids)
 
     def _forward_packed(
-        self, token_ids: list[list[int]], context_lens: list[int], block_tables: list[list[int]]
+        self,
+        token_ids: list[list[int]],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        fill: Fill | None = None,
     ) -> torch.Tensor:
         query_lens = [len(t) for t in token_ids]
         flat = [t for row in token_ids for t in row]
         positions = [p for ctx, q in zip(context_lens, query_lens, strict=True) for p in range(ctx - q, ctx)]
         meta = build_metadata(block_tables, context_lens, query_lens, self.block_size, self.device)
         input_ids = torch.tensor([flat], dtype=torch.long, device=self.device)
+        if fill is not None:  # decode rows come first, so decode row i is packed token i
+            input_ids[0, fill[0]] = fill[1]
         position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)
         return self._forward(input_ids, position_ids, meta)
 
@@ -218,22 +237,26 @@ class ModelRunner:
         context_lens: list[int],
         block_tables: list[list[int]],
         sample_rows: list[int],
+        fill: Fill | None = None,
     ) -> torch.Tensor:
         """One packed forward. Row i feeds token_ids[i] as the last tokens of a context of
-        context_lens[i]; rows must be ordered decodes first. Returns float logits
-        [len(sample_rows), V] for the last token of each row in sample_rows."""
+        context_lens[i]; rows must be ordered decodes first. `fill` gives decode rows whose
+        token is still on the device (async scheduling): (row indices, token ids), both
+        device tensors; their entries in token_ids are placeholders. Returns logits
+        [len(sample_rows), V], in the model's dtype, for the last token of each row in
+        sample_rows."""
         query_lens = [len(t) for t in token_ids]
         pure_decode = all(q == 1 for q in query_lens)
         if self.graphs is not None and pure_decode and self.graphs.can_run(len(token_ids)):
-            hidden = self.graphs.run([t[0] for t in token_ids], context_lens, block_tables)  # [n, E]
+            hidden = self.graphs.run([t[0] for t in token_ids], context_lens, block_tables, fill)  # [n, E]
             last_rows = list(range(len(token_ids)))
         else:
-            hidden = self._forward_packed(token_ids, context_lens, block_tables)[0]  # [T, E]
+            hidden = self._forward_packed(token_ids, context_lens, block_tables, fill)[0]  # [T, E]
             last_rows = [end - 1 for end in itertools.accumulate(query_lens)]
         if not sample_rows:
-            return hidden.new_empty((0, self.vocab_size), dtype=torch.float32)
+            return hidden.new_empty((0, self.vocab_size))
         rows = [last_rows[i] for i in sample_rows]
         if rows == list(range(hidden.shape[0])):  # a decode step where every row samples: no gather
-            return self.lm_head(hidden).float()
+            return self.lm_head(hidden)
         rows = torch.tensor(rows, dtype=torch.long, device=self.device)
-        return self.lm_head(hidden[rows]).float()
+        return self.lm_head(hidden[rows])

@@ -1,16 +1,22 @@
-"""What the engine hands back each step: cumulative results plus the delta since the
-request's previous output, so both offline callers and streamers are served."""
+"""What the engine hands back. A step emits a RequestDelta per request that produced a
+token: only what is new, so streaming costs O(1) per token however long the answer
+gets. The whole RequestOutput is assembled once, when the request finishes."""
 
 from dataclasses import dataclass
 
-from replica.request import TokenLogprob
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top_logprobs: dict[int, float]
 
 
 @dataclass
 class CompletionOutput:
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop", "length", "abort" or None while running
+    finish_reason: str | None  # "stop", "length" or "abort"
     logprobs: list[TokenLogprob] | None
 
 
@@ -20,10 +26,8 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
-    finished: bool
-    new_text: str
-    new_token_ids: list[int]
     num_cached_tokens: int
+    finished: bool = True
 
     @property
     def text(self) -> str:
@@ -36,3 +40,20 @@ class RequestOutput:
     @property
     def finish_reason(self) -> str | None:
         return self.outputs[0].finish_reason
+
+
+@dataclass
+class RequestDelta:
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[TokenLogprob] | None
+    finish_reason: str | None  # set on the request's last delta
+    num_prompt_tokens: int
+    num_output_tokens: int  # so far, this delta included
+    num_cached_tokens: int
+    output: RequestOutput | None = None  # the whole result, on the last delta only
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,12 +1,21 @@
 """A request's CPU-side state. The scheduler moves it between queues; the engine appends
 the tokens it samples. All token bookkeeping follows one rule: the model must have
-computed KV for `num_tokens - 1` tokens before the next token can be sampled."""
+computed KV for `num_tokens - 1` tokens before the next token can be sampled.
+
+The request owns everything that lives as long as it does: its detokenizer (with the
+stop-string state) and, when seeded, its random generator."""
 
 import enum
 import time
 from dataclasses import dataclass, field
 
+import torch
+
+from replica.detokenizer import IncrementalDetokenizer
+from replica.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from replica.sampling_params import SamplingParams
+
+PENDING = -1  # token_ids placeholder for a sampled token still on the device
 
 
 class RequestStatus(enum.Enum):
@@ -19,13 +28,6 @@ class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS, a stop token or a stop string
     LENGTH = "length"  # max_tokens or the context window
     ABORT = "abort"
-
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top_logprobs: dict[int, float]
 
 
 @dataclass
@@ -44,6 +46,12 @@ class Request:
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprob] | None = None
+    detokenizer: IncrementalDetokenizer | None = None  # the engine attaches one
+    generator: torch.Generator | None = None  # seeded requests draw from their own stream
+    # With async scheduling, sampled tokens not yet read from the device: the last
+    # num_pending entries of token_ids are PENDING placeholders, filled in order.
+    num_pending: int = 0
+    pending_row: int = -1  # the newest placeholder's row in its launch's sampled tokens
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -61,12 +69,32 @@ class Request:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
+        """The output tokens known on the host (no placeholders)."""
+        return self.token_ids[self.num_prompt_tokens : len(self.token_ids) - self.num_pending]
 
     @property
     def num_output_tokens(self) -> int:
+        """Output tokens sampled so far, pending ones included."""
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    def output(self) -> RequestOutput:
+        """The whole result so far; built once, when the request finishes."""
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[
+                CompletionOutput(
+                    text=self.detokenizer.emitted_text if self.detokenizer is not None else "",
+                    token_ids=self.output_token_ids,
+                    finish_reason=self.finish_reason.value if self.finish_reason else None,
+                    logprobs=self.logprobs,
+                )
+            ],
+            num_cached_tokens=self.num_cached_tokens,
+            finished=self.is_finished,
+        )

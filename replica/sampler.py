@@ -6,18 +6,19 @@ lets seeded rows draw their noise from their own generator without a per-row sam
 Greedy rows take the argmax of the (penalised) logits.
 """
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
-from replica.request import Request, TokenLogprob
+from replica.outputs import TokenLogprob
 
 
 @dataclass
 class SamplingBatch:
-    """Per-row sampling tensors for one step, built from the requests that sample."""
+    """Per-row sampling tensors for one step (sampling_state.py gathers them)."""
 
-    temperature: torch.Tensor  # [B] float, 0 for greedy rows
+    temperature: torch.Tensor | None  # [B] float, 0 for greedy rows; None when all are greedy
     top_k: torch.Tensor | None  # [B] long, V where disabled
     top_p: torch.Tensor | None  # [B] float
     min_p: torch.Tensor | None  # [B] float
@@ -30,34 +31,6 @@ class SamplingBatch:
     def max_logprobs(self) -> int:
         return max((n for n in self.logprobs if n is not None), default=-1)
 
-    @classmethod
-    def from_requests(
-        cls,
-        requests: list[Request],
-        generators: list[torch.Generator | None],
-        vocab_size: int,
-        device: torch.device,
-    ) -> "SamplingBatch":
-        params = [r.params for r in requests]
-        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
-        need_top_k = any(p.top_k and not p.greedy for p in params)
-        need_top_p = any(p.top_p < 1 and not p.greedy for p in params)
-        need_min_p = any(p.min_p > 0 and not p.greedy for p in params)
-        return cls(
-            temperature=temperature.to(device),
-            top_k=_row_tensor([p.top_k or vocab_size for p in params], torch.long, device)
-            if need_top_k
-            else None,
-            top_p=_row_tensor([p.top_p for p in params], torch.float32, device) if need_top_p else None,
-            min_p=_row_tensor([p.min_p for p in params], torch.float32, device) if need_min_p else None,
-            generators=generators,
-            all_greedy=all(p.greedy for p in params),
-            penalties=Penalties.from_requests(requests, vocab_size, device)
-            if any(p.has_penalties for p in params)
-            else None,
-            logprobs=[p.logprobs for p in params],
-        )
-
 
 @dataclass
 class Penalties:
@@ -66,25 +39,6 @@ class Penalties:
     repetition: torch.Tensor  # [B, 1]
     output_counts: torch.Tensor  # [B, V] occurrences in the output so far
     seen: torch.Tensor  # [B, V] bool, in prompt or output (for the repetition penalty)
-
-    @classmethod
-    def from_requests(cls, requests: list[Request], vocab_size: int, device) -> "Penalties":
-        b = len(requests)
-        counts = torch.zeros(b, vocab_size + 1, dtype=torch.float32)
-        seen = torch.zeros(b, vocab_size + 1, dtype=torch.bool)
-        outputs = _padded([r.output_token_ids for r in requests], pad=vocab_size)
-        counts.scatter_add_(1, outputs, torch.ones_like(outputs, dtype=torch.float32))
-        prompts = _padded([r.prompt_token_ids for r in requests], pad=vocab_size)
-        seen.scatter_(1, prompts, True)
-        seen |= counts > 0
-        params = [r.params for r in requests]
-        return cls(
-            presence=_row_tensor([p.presence_penalty for p in params], torch.float32, device)[:, None],
-            frequency=_row_tensor([p.frequency_penalty for p in params], torch.float32, device)[:, None],
-            repetition=_row_tensor([p.repetition_penalty for p in params], torch.float32, device)[:, None],
-            output_counts=counts[:, :vocab_size].to(device),
-            seen=seen[:, :vocab_size].to(device),
-        )
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         # Repetition penalty as in HF / CTRL: shrink positive logits, grow negative ones.
@@ -96,17 +50,45 @@ class Penalties:
 
 @dataclass
 class SamplerOutput:
-    token_ids: list[int]
-    logprobs: list[TokenLogprob | None]
+    """Sampled tokens, still on the logits' device: with async scheduling the next step is
+    launched before they are read, and its decode rows take their inputs from here."""
+
+    token_ids: torch.Tensor  # [B] long
+    logprobs: torch.Tensor | None = None  # [B] the chosen tokens' raw logprobs
+    top_logprobs: torch.Tensor | None = None  # [B, k]
+    top_ids: torch.Tensor | None = None  # [B, k]
+    num_logprobs: list[int | None] = field(default_factory=list)  # k each row asked for
+
+    def resolve(self) -> tuple[list[int], list[TokenLogprob | None]]:
+        """Bring the tokens (and logprobs) to the host; this waits for the step to finish."""
+        tokens = self.token_ids.tolist()
+        logprobs: list[TokenLogprob | None] = [None] * len(tokens)
+        if self.logprobs is not None:
+            chosen, values, ids = self.logprobs.tolist(), self.top_logprobs.tolist(), self.top_ids.tolist()
+            for row, n in enumerate(self.num_logprobs):
+                if n is not None:
+                    top = dict(zip(ids[row][:n], values[row][:n], strict=True))
+                    logprobs[row] = TokenLogprob(tokens[row], chosen[row], top)
+        return tokens, logprobs
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+def torch_argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
+
+
+def sample(
+    logits: torch.Tensor, batch: SamplingBatch, argmax: Callable[[torch.Tensor], torch.Tensor] = torch_argmax
+) -> SamplerOutput:
+    """logits: [B, V] in the model's dtype. `argmax` may be a faster kernel than torch's
+    (the CPU one reads bf16 directly); greedy rows without penalties never widen to fp32."""
+    if batch.all_greedy and batch.penalties is None and batch.max_logprobs < 0:
+        return SamplerOutput(argmax(logits))
     logits = logits.float()
     raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs >= 0 else None
     if batch.penalties is not None:
         logits = batch.penalties.apply(logits)
 
-    greedy_tokens = logits.argmax(dim=-1)
+    greedy_tokens = argmax(logits)
     if batch.all_greedy:
         tokens = greedy_tokens
     else:
@@ -116,18 +98,11 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         sampled = (probs / noise).argmax(dim=-1)
         tokens = torch.where(batch.temperature == 0, greedy_tokens, sampled)
 
-    token_list = tokens.tolist()
-    logprobs: list[TokenLogprob | None] = [None] * len(token_list)
-    if raw_logprobs is not None:
-        chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0].tolist()
-        top_values, top_ids = raw_logprobs.topk(max(batch.max_logprobs, 1), dim=-1)
-        top_values, top_ids = top_values.tolist(), top_ids.tolist()
-        for row, n in enumerate(batch.logprobs):
-            if n is None:
-                continue
-            top = dict(zip(top_ids[row][:n], top_values[row][:n], strict=True))
-            logprobs[row] = TokenLogprob(token_list[row], chosen[row], top)
-    return SamplerOutput(token_list, logprobs)
+    if raw_logprobs is None:
+        return SamplerOutput(tokens)
+    top_values, top_ids = raw_logprobs.topk(max(batch.max_logprobs, 1), dim=-1)
+    chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0]
+    return SamplerOutput(tokens, chosen, top_values, top_ids, batch.logprobs)
 
 
 def _filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -156,12 +131,3 @@ def _exponential_noise(probs: torch.Tensor, generators: list[torch.Generator | N
         if generator is not None:
             noise[row].exponential_(generator=generator)
     return noise.clamp_min_(1e-20)  # an exact 0 draw would divide by zero
-
-
-def _row_tensor(values: list, dtype: torch.dtype, device) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype, device=device)
-
-
-def _padded(rows: list[list[int]], pad: int) -> torch.Tensor:
-    width = max((len(r) for r in rows), default=0) or 1
-    return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long)

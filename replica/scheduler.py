@@ -88,6 +88,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.num_output_tokens >= request.max_tokens:
+                i += 1  # its last token is in flight (async scheduling): nothing left to run
+                continue
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._make_room(request, n, out):
                 break  # the request itself was preempted: nothing newer remains
@@ -146,7 +149,9 @@ class Scheduler:
         for item in plan.scheduled:
             request = item.request
             request.num_computed_tokens += item.num_new_tokens
-            self.kv.cache_full_blocks(request.request_id, request.token_ids, request.num_computed_tokens)
+            # A block ending in a token still in flight is published once that token is known.
+            known = min(request.num_computed_tokens, request.num_tokens - request.num_pending)
+            self.kv.cache_full_blocks(request.request_id, request.token_ids, known)
 
     def preempt(self, request: Request) -> None:
         """Drop a running request's KV; it will be recomputed when readmitted."""

@@ -12,7 +12,7 @@ from replica.config import EngineConfig
 from replica.cuda_graphs import bucket_for, graph_batch_sizes, pad_decode_batch
 from replica.model_runner import kv_blocks_for_gpu
 
-ALL = frozenset({"triton", "flash_attn"})
+ALL = frozenset({"triton", "flash_attn", "cpu"})
 NONE = frozenset()
 BF16, FP32 = torch.bfloat16, torch.float32
 GiB = 2**30
@@ -27,11 +27,13 @@ GiB = 2**30
         ("cuda", BF16, NONE, "torch"),
         ("cuda", FP32, ALL, "triton"),  # flash-attn has no fp32 kernels
         ("cuda", FP32, frozenset({"flash_attn"}), "torch"),
-        ("cpu", BF16, ALL, "torch"),
-        ("cpu", FP32, NONE, "torch"),
+        ("cpu", BF16, ALL, "cpu"),
+        ("cpu", FP32, ALL, "cpu"),
+        ("cpu", torch.float16, ALL, "torch"),  # the C kernels take fp32 and bf16 only
+        ("cpu", FP32, NONE, "torch"),  # no C compiler: the kernels did not build
     ],
 )
-def test_auto_prefers_flash_attn_then_triton_then_torch(device, dtype, installed, expected):
+def test_auto_prefers_the_fastest_backend_that_runs(device, dtype, installed, expected):
     assert choose_backend("auto", device, dtype, installed) == expected
 
 
@@ -50,6 +52,9 @@ def test_explicit_choice_overrides_auto():
         ("flash_attn", "cpu", BF16, ALL, "only on CUDA"),
         ("flash_attn", "cuda", FP32, ALL, "only float16 and bfloat16"),
         ("triton", "cpu", FP32, ALL, "need a CUDA device"),
+        ("cpu", "cuda", BF16, ALL, "only on the CPU"),
+        ("cpu", "cpu", torch.float16, ALL, "only float32 and bfloat16"),
+        ("cpu", "cpu", FP32, NONE, "could not be built"),
     ],
 )
 def test_unavailable_backend_says_why(name, device, dtype, installed, reason):
@@ -64,10 +69,10 @@ def test_unknown_backend_is_rejected():
         EngineConfig(attention_backend="xformers")
 
 
-def test_auto_is_the_default_and_picks_torch_on_cpu():
+def test_auto_is_the_default_and_picks_the_c_kernels_on_cpu():
     config = EngineConfig()
     assert config.attention_backend == "auto"
-    assert choose_backend(config.attention_backend, "cpu", BF16, ALL) == "torch"
+    assert choose_backend(config.attention_backend, "cpu", BF16, ALL) == "cpu"
 
 
 def test_flash_attn_picks_block_size_256_and_says_so(caplog):

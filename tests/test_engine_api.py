@@ -100,7 +100,8 @@ def test_stream_deltas_add_up(llm_fp32):
         for out in engine.step():
             pieces.append(out.new_text)
             last = out
-    assert last.finished and "".join(pieces) == last.text
+    assert last.finished and "".join(pieces) == last.output.text
+    assert last.num_output_tokens == len(last.output.token_ids)
 
 
 @pytest.mark.parametrize(

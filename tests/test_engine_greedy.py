@@ -1,6 +1,7 @@
 """The oracle: greedy output equals HF transformers `generate` token for token (fp32)."""
 
 import pytest
+import torch
 from conftest import hf_greedy
 
 from replica import LLM, SamplingParams
@@ -43,6 +44,13 @@ def test_matches_hf_with_ample_cache(llm_fp32, prompt_ids, expected):
     assert llm_fp32.engine.stats().num_preemptions == 0
 
 
+def test_torch_backend_matches_hf(model_path, prompt_ids, expected):
+    """The default on CPU is kvserve's C kernels; the portable torch backend stays exact too."""
+    llm = LLM(str(model_path), dtype="float32", attention_backend="torch")
+    assert llm.engine.runner.backend.name == "torch"
+    assert _generate(llm, prompt_ids) == expected
+
+
 def test_matches_hf_with_chunked_prefill(model_path, prompt_ids, expected):
     budget = 16
     assert max(len(p) for p in prompt_ids) > 3 * budget
@@ -79,3 +87,23 @@ def test_prefix_cache_hits_and_identical_output(model_path, llm_fp32):
     (uncached,) = no_cache.generate(second, params, use_tqdm=False)
     assert uncached.num_cached_tokens == 0
     assert cached.token_ids == uncached.token_ids
+
+
+def test_repetition_penalty_matches_hf(hf_model, prompt_ids, llm_fp32):
+    """HF's repetition penalty covers the prompt and the output, as kvserve's does; the
+    counts kvserve keeps incrementally must give the same greedy tokens."""
+    prompts = prompt_ids[2:5]
+    with torch.no_grad():
+        expected = [
+            hf_model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=MAX_NEW,
+                do_sample=False,
+                repetition_penalty=1.3,
+                pad_token_id=0,
+            )[0, len(ids) :].tolist()
+            for ids in prompts
+        ]
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0, repetition_penalty=1.3, ignore_eos=True)
+    got = [o.token_ids for o in llm_fp32.generate(prompts, params, use_tqdm=False)]
+    assert got == expected  # (these prompts reach MAX_NEW before any EOS)

@@ -1,6 +1,6 @@
 """Paged attention backends, plugged into transformers through AttentionInterface.
 
-Three backends share one signature (transformers' attention function) and one metadata
+Four backends share one signature (transformers' attention function) and one metadata
 object; they differ in cache layout and in whether a decode step can be captured in a
 CUDA graph. `select.py` decides which one runs; `load_backend` imports only that one,
 so a missing kernel package never breaks the others.
@@ -31,6 +31,10 @@ def load_backend(name: str) -> Backend:
     if name == "torch":
         # Its decode mask is built on the host and it gathers whole block tables: not graphed.
         return Backend("torch", torch_paged_attention, kv_cache_shape, graph_safe=False)
+    if name == "cpu":
+        from replica.attention.cpu_backend import cpu_paged_attention
+
+        return Backend("cpu", cpu_paged_attention, kv_cache_shape, graph_safe=False)
     if name == "triton":
         from replica.attention.triton_backend import triton_paged_attention
 

@@ -25,7 +25,7 @@ class PrefillChunk:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot of every packed token
     num_decodes: int
-    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks], padded with block 0
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int32, padded with block 0
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] True where valid
     prefills: list[PrefillChunk]
     decode_context_lens: torch.Tensor | None  # [num_decodes] int32
@@ -35,6 +35,9 @@ class AttentionMetadata:
     prefill_context_lens: torch.Tensor | None  # [P] int32
     prefill_block_tables: torch.Tensor | None  # [P, max_blocks] int32, padded with block 0
     max_prefill_query_len: int = 0
+    # A kernel backend's own form of the fields above, derived on the step's first layer
+    # and reused by the rest (the CPU kernels keep their ctypes arguments here).
+    kernel_args: tuple | None = None
 
 
 def build_metadata(
@@ -58,7 +61,7 @@ def build_metadata(
         lens = context_lens[:num_decodes]
         width = -(-max(lens) // block_size)
         rows = [t[:width] + [0] * (width - len(t[:width])) for t in block_tables[:num_decodes]]
-        decode_tables = torch.tensor(rows, dtype=torch.long, device=device)
+        decode_tables = torch.tensor(rows, dtype=torch.int32, device=device)
         positions = torch.arange(width * block_size)
         decode_mask = (positions[None, :] < torch.tensor(lens)[:, None])[:, None, None, :].to(device)
         decode_lens = torch.tensor(lens, dtype=torch.int32, device=device)

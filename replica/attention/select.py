@@ -14,9 +14,11 @@ from replica.config import ATTENTION_BACKENDS
 
 logger = logging.getLogger(__name__)
 
-# Preference on CUDA, best first. torch is the fallback that always works.
-AUTO_ORDER = ("flash_attn", "triton", "torch")
+# Preference, best first. torch is the fallback that always works.
+AUTO_ORDER = {"cuda": ("flash_attn", "triton", "torch"), "cpu": ("cpu", "torch")}
 KERNEL_PACKAGES = {"triton": "triton", "flash_attn": "flash_attn"}
+# kvserve's own C kernels (replica/cpu), built on first use; "installed" when they built.
+CPU_KERNELS = "cpu"
 # flash-attn's paged kernels read pages of a multiple of 256 tokens.
 FLASH_ATTN_BLOCK_SIZE = 256
 
@@ -25,6 +27,18 @@ def installed_kernel_packages() -> frozenset[str]:
     """Backend names whose package is importable here (found, not imported: importing
     flash-attn initialises CUDA)."""
     return frozenset(name for name, pkg in KERNEL_PACKAGES.items() if importlib.util.find_spec(pkg))
+
+
+def cpu_kernels_built() -> bool:
+    """Whether kvserve's C kernels build (or are already built) on this machine."""
+    from replica.cpu.build import CpuKernelsUnavailable, load_library
+
+    try:
+        load_library()
+    except CpuKernelsUnavailable as e:
+        logger.warning("CPU kernels unavailable, using the torch attention backend: %s", e)
+        return False
+    return True
 
 
 def triton_interpret() -> bool:
@@ -37,6 +51,14 @@ def backend_problem(
 ) -> str | None:
     """Why backend `name` cannot run here, or None when it can."""
     if name == "torch":
+        return None
+    if name == CPU_KERNELS:
+        if device_type != "cpu":
+            return "kvserve's C kernels run only on the CPU"
+        if dtype not in (torch.float32, torch.bfloat16):
+            return f"kvserve's C kernels support only float32 and bfloat16, not {dtype}"
+        if name not in installed:
+            return "kvserve's C kernels could not be built here (is a C compiler installed?)"
         return None
     if name not in installed:
         return f"the {KERNEL_PACKAGES[name]!r} package is not installed"
@@ -57,12 +79,11 @@ def choose_backend(
     installed: frozenset[str],
     interpret: bool = False,
 ) -> str:
-    """`auto`: the best backend that runs here (torch on CPU); a name: that backend, or a
-    ValueError saying why it can't run."""
+    """`auto`: the best backend that runs here; a name: that backend, or a ValueError
+    saying why it can't run."""
     if requested == "auto":
-        if device_type != "cuda":
-            return "torch"
-        return next(n for n in AUTO_ORDER if backend_problem(n, device_type, dtype, installed) is None)
+        order = AUTO_ORDER.get(device_type, ("torch",))
+        return next(n for n in order if backend_problem(n, device_type, dtype, installed) is None)
     if requested not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {requested!r}; choose one of {ATTENTION_BACKENDS}")
     problem = backend_problem(requested, device_type, dtype, installed, interpret)

@@ -1,0 +1,2 @@
+"""CPU fast path: C kernels built on the machine that runs them (build.py, kernels.c),
+tensor wrappers (ops.py) and the transformers modules they replace (layers.py)."""

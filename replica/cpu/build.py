@@ -1,0 +1,105 @@
+"""Build kernels.c once per machine and load it with ctypes.
+
+The library is compiled for the CPU it runs on (-march=native), so it is built where it
+is used, not shipped: the first engine on a machine compiles it (about a second) into
+the kvserve cache, keyed by the source, the compiler and the CPU, and every later
+process loads the file. It links libgomp by soname, so it shares the OpenMP runtime and
+thread pool torch already loaded instead of starting a second one.
+"""
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from replica.model_loader import cache_root
+
+SOURCE = Path(__file__).with_name("kernels.c")
+FLAGS = [
+    "-O3",
+    "-march=native",
+    "-fopenmp",
+    "-fPIC",
+    "-shared",
+    # No -ffast-math: it would flush denormals for the whole process when the library
+    # loads. Reductions vectorize through `omp simd` instead.
+    "-fno-math-errno",
+    "-fno-trapping-math",
+]
+
+
+class CpuKernelsUnavailable(RuntimeError):
+    pass
+
+
+def compiler() -> str | None:
+    for name in (os.environ.get("CC"), "gcc", "cc"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: the CPU model and its feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    keep = [line for line in lines if line.startswith(("model name", "flags", "Features"))]
+    return "\n".join(sorted(set(keep)))
+
+
+@functools.cache
+def load_library() -> ctypes.CDLL:
+    """The compiled kernels, building them first if this machine has no copy yet.
+    Raises CpuKernelsUnavailable (with the compiler's message) when that fails."""
+    cc = compiler()
+    if cc is None:
+        raise CpuKernelsUnavailable("no C compiler found (set CC, or install gcc)")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(
+        "\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_signature()]).encode()
+    ).hexdigest()[:16]
+    target = cache_root() / "kernels" / f"kvserve_cpu_{key}.so"
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
+        os.close(fd)
+        try:
+            result = subprocess.run(
+                [cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True
+            )
+            if result.returncode != 0:
+                raise CpuKernelsUnavailable(f"{cc} failed to build {SOURCE.name}:\n{result.stderr[-2000:]}")
+            os.replace(tmp, target)  # atomic: concurrent builders race, one wins
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    # torch first, so libgomp resolves to the copy torch loaded.
+    import torch  # noqa: F401
+
+    lib = ctypes.CDLL(str(target))
+    _declare(lib)
+    return lib
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    lib.rms_norm.argtypes = [p, p, p, p, i64, i32, f32, i32, i32]
+    lib.silu_mul.argtypes = [p, p, i64, i32, i32, i32]
+    lib.argmax_rows.argtypes = [p, p, i64, i64, i32, i32]
+    lib.paged_attention.argtypes = [
+        p, p, i64, i64,  # out, q and its strides
+        p, i64, i64, p, i64, i64,  # k, v and their strides
+        p, p, p, p, p, i64,  # cos, sin, k_cache, v_cache, slots, num_tokens
+        i32, p, i32, p,  # decodes: count, tables, table width, context lens
+        i32, p, p, p, i32,  # prefills: count, query starts, context lens, tables, table width
+        i32, i32, i32, i32, f32, i32, i32,  # heads, kv heads, head dim, block size, scale, bf16, threads
+    ]  # fmt: skip
+    for fn in (lib.rms_norm, lib.silu_mul, lib.argmax_rows, lib.paged_attention):
+        fn.restype = None

@@ -1,0 +1,561 @@
+/* kvserve's CPU kernels, built once per machine by replica/cpu/build.py
+ * (cc -O3 -march=native -fopenmp) and called through ctypes.
+ *
+ * Everything works on fp32 or bf16 tensors (is_bf16) and computes in fp32. Where a kernel
+ * stands in for a chain of transformers ops, it rounds to the tensor dtype at the same
+ * points those ops do, so bf16 results match transformers' eager code and fp32 results
+ * differ from it only by summation order.
+ *
+ * Threads: OpenMP, sharing the runtime that torch already loaded (same soname), with the
+ * thread count passed in by the caller (torch.get_num_threads()). */
+#include <math.h>
+#include <stdint.h>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+#include <stdlib.h>
+#include <string.h>
+
+typedef uint16_t bf16;
+
+static inline float bf16_to_float(bf16 x) {
+    const uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Round to nearest even; NaN stays NaN. Branch-free (memcpy punning, a select for NaN),
+ * so loops over it vectorize. */
+static inline uint32_t bf16_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded;
+}
+
+static inline bf16 float_to_bf16(float f) { return (bf16)bf16_bits(f); }
+
+/* What a bf16 tensor op would store: the value rounded to bf16 (identity for fp32). */
+static inline float round_to(float x, int is_bf16) {
+    const uint32_t u = bf16_bits(x) << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return is_bf16 ? f : x;
+}
+
+/* Rows are converted whole, so inner loops are plain float loops the compiler vectorizes. */
+static inline void load_row(float* dst, const void* src, int64_t offset, int n, int is_bf16) {
+    if (is_bf16) {
+        const bf16* s = (const bf16*)src + offset;
+        for (int i = 0; i < n; i++) dst[i] = bf16_to_float(s[i]);
+    } else {
+        memcpy(dst, (const float*)src + offset, (size_t)n * sizeof(float));
+    }
+}
+
+static inline void store_row(void* dst, int64_t offset, const float* src, int n, int is_bf16) {
+    if (is_bf16) {
+        bf16* d = (bf16*)dst + offset;
+        for (int i = 0; i < n; i++) d[i] = float_to_bf16(src[i]);
+    } else {
+        memcpy((float*)dst + offset, src, (size_t)n * sizeof(float));
+    }
+}
+
+static inline float dot(const float* a, const float* b, int n) {
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int i = 0; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+/* exp(x) within 2 ulp for x in [-87, 88] (clamped outside: softmax and SiLU never need
+ * more); plain arithmetic, so loops over it vectorize, which libm's expf does not without
+ * -ffast-math. */
+static inline float exp_clamped(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float n = rintf(x * 1.44269504f);
+    const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f; /* Cody-Waite: r in [-ln2/2, ln2/2] */
+    float p = 1.98412698e-4f;
+    p = p * r + 1.38888889e-3f;
+    p = p * r + 8.33333333e-3f;
+    p = p * r + 4.16666667e-2f;
+    p = p * r + 1.66666667e-1f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    union { uint32_t u; float f; } scale;
+    scale.u = (uint32_t)((int32_t)n + 127) << 23;
+    return p * scale.f;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* RMSNorm as transformers' Llama family computes it: normalise in fp32, round to the
+ * input dtype, then multiply by the weight in that dtype. With `residual` given, the
+ * decoder layer's skip connection comes first, fused in: residual = residual + x (rounded
+ * to the dtype, in place), then out = norm(residual). All [rows, n], contiguous. */
+void rms_norm(void* out, const void* x, void* residual, const void* weight, int64_t rows, int n, float eps,
+              int is_bf16, int num_threads) {
+#pragma omp parallel num_threads(num_threads) if (rows >= 16)
+    {
+        float* buf = (float*)malloc(sizeof(float) * 3 * (size_t)n);
+        float* w = buf + n;
+        float* skip = buf + 2 * n;
+        load_row(w, weight, 0, n, is_bf16);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            load_row(buf, x, r * n, n, is_bf16);
+            if (residual != NULL) {
+                load_row(skip, residual, r * n, n, is_bf16);
+                for (int i = 0; i < n; i++) buf[i] = round_to(skip[i] + buf[i], is_bf16);
+                store_row(residual, r * n, buf, n, is_bf16);
+            }
+            const float inv = 1.0f / sqrtf(dot(buf, buf, n) / (float)n + eps);
+            for (int i = 0; i < n; i++) buf[i] = w[i] * round_to(buf[i] * inv, is_bf16);
+            store_row(out, r * n, buf, n, is_bf16);
+        }
+        free(buf);
+    }
+}
+
+/* out[r] = silu(gate_up[r, :n]) * gate_up[r, n:], as act_fn(gate) * up in the dtype.
+ * gate_up: [rows, 2n] contiguous; out: [rows, n]. */
+void silu_mul(void* out, const void* gate_up, int64_t rows, int n, int is_bf16, int num_threads) {
+#pragma omp parallel num_threads(num_threads) if (rows >= 16)
+    {
+        float* buf = (float*)malloc(sizeof(float) * 2 * (size_t)n);
+        float* up = buf + n;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            load_row(buf, gate_up, r * 2 * n, n, is_bf16);
+            load_row(up, gate_up, r * 2 * n + n, n, is_bf16);
+            for (int i = 0; i < n; i++) buf[i] = round_to(buf[i] / (1.0f + exp_clamped(-buf[i])), is_bf16) * up[i];
+            store_row(out, r * n, buf, n, is_bf16);
+        }
+        free(buf);
+    }
+}
+
+/* Greedy sampling: the index of each row's largest value (the first one on ties, as
+ * torch.argmax). x: [rows, n] contiguous; NaN rows give an arbitrary index. */
+void argmax_rows(int64_t* out, const void* x, int64_t rows, int64_t n, int is_bf16, int num_threads) {
+    const int64_t chunk = 4096;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float* buf = (float*)malloc(sizeof(float) * chunk);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            float best = -INFINITY;
+            int64_t best_index = 0;
+            for (int64_t start = 0; start < n; start += chunk) {
+                const int len = (int)(n - start < chunk ? n - start : chunk);
+                load_row(buf, x, r * n + start, len, is_bf16);
+                float chunk_max = -INFINITY;
+#pragma omp simd reduction(max : chunk_max)
+                for (int i = 0; i < len; i++) chunk_max = buf[i] > chunk_max ? buf[i] : chunk_max;
+                if (chunk_max > best) {
+                    best = chunk_max;
+                    for (int i = 0; i < len; i++)
+                        if (buf[i] == chunk_max) {
+                            best_index = start + i;
+                            break;
+                        }
+                }
+            }
+            out[r] = best_index;
+        }
+        free(buf);
+    }
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Rotary embedding on one head in place, rotate-half (GPT-NeoX) style, as transformers'
+ * apply_rotary_pos_emb: x * cos + rotate_half(x) * sin, each product rounded. */
+static inline void rotate(float* restrict x, const float* restrict cos, const float* restrict sin,
+                          float* restrict tmp, int D, int is_bf16) {
+    const int half = D / 2;
+    if (is_bf16) {
+        for (int i = 0; i < half; i++) {
+            tmp[i] = round_to(round_to(x[i] * cos[i], 1) - round_to(x[i + half] * sin[i], 1), 1);
+            tmp[i + half] = round_to(round_to(x[i + half] * cos[i + half], 1) + round_to(x[i] * sin[i + half], 1), 1);
+        }
+    } else {
+        for (int i = 0; i < half; i++) {
+            tmp[i] = x[i] * cos[i] - x[i + half] * sin[i];
+            tmp[i + half] = x[i + half] * cos[i + half] + x[i] * sin[i + half];
+        }
+    }
+    memcpy(x, tmp, sizeof(float) * (size_t)D);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Paged attention. A layer's cache is a pair of [num_blocks, Hkv, ...] tensors: one page
+ * per (block, KV head), laid out for the kernel that reads it.
+ * - Generic (fp32, or CPUs without AVX512-BF16): a K page is [D, BS] (keys transposed),
+ *   so a block's scores are broadcast-multiply-adds over its keys; a V page is [BS, D].
+ *   Pages are widened to fp32 once per block.
+ * - bf16 with AVX512-BF16, D % 32 == 0 and BS % 16 == 0: pages interleave pairs along
+ *   each product's sum, K as [D/2, BS, 2] and V as [BS/2, D, 2], so vdpbf16ps reads them
+ *   as they are (no widening pass) and accumulates in fp32. */
+
+#define MAX_ROWS 8 /* query rows of one chunk handled together, sharing each page load */
+
+/* One unit of attention work: up to MAX_ROWS consecutive query rows of one sequence, for
+ * the query heads of one KV head. Row r sits at position first_pos + (r - row0) and
+ * attends to keys 0..position (causal). */
+typedef struct {
+    int64_t row0;
+    int nrows;
+    int first_pos;
+    int kv_head;
+    const int32_t* block_table;
+} WorkItem;
+
+typedef struct {
+    void* out; /* [T, H, D] contiguous */
+    const void* q;
+    int64_t q_stride_t, q_stride_h;
+    const void* cos; /* [T, D] contiguous, or NULL when q and k arrive rotated */
+    const void* sin;
+    void* k_cache;
+    void* v_cache;
+    int num_heads, num_kv_heads, head_dim, block_size;
+    float scale;
+    int is_bf16;
+} Layer;
+
+typedef struct {
+    float* q;   /* [MAX_ROWS * group, D], rotated */
+    float* acc; /* [MAX_ROWS * group, D] */
+    float* m;   /* running max per query vector */
+    float* l;   /* running sum per query vector */
+    float* k;   /* [D, BS] widened K page (generic); bf16 query pairs (paired pages) */
+    float* v;   /* [BS, D] widened V page (generic); bf16 probabilities (paired pages) */
+    float* p;   /* [2 * BS]: probabilities, and scores for attend_any */
+    float* rot; /* [3 * D]: cos, sin and a temporary for the rotary embedding */
+} Scratch;
+
+static inline int paired_pages(const Layer* L) {
+#if defined(__AVX512BF16__)
+    return L->is_bf16 && L->head_dim % 32 == 0 && L->block_size % 16 == 0;
+#else
+    (void)L;
+    return 0;
+#endif
+}
+
+/* Offsets within a page, in elements, of key j's dimension d. */
+static inline int64_t k_offset(const Layer* L, int j, int d) {
+    const int BS = L->block_size;
+    return paired_pages(L) ? ((int64_t)(d / 2) * BS + j) * 2 + d % 2 : (int64_t)d * BS + j;
+}
+
+static inline int64_t v_offset(const Layer* L, int j, int d) {
+    const int D = L->head_dim;
+    return paired_pages(L) ? ((int64_t)(j / 2) * D + d) * 2 + j % 2 : (int64_t)j * D + d;
+}
+
+static inline void load_queries(const Layer* L, const WorkItem* it, const Scratch* w, int group, float scale) {
+    const int D = L->head_dim;
+    for (int r = 0; r < it->nrows; r++) {
+        if (L->cos != NULL) {
+            load_row(w->rot, L->cos, (it->row0 + r) * D, D, L->is_bf16);
+            load_row(w->rot + D, L->sin, (it->row0 + r) * D, D, L->is_bf16);
+        }
+        for (int g = 0; g < group; g++) {
+            const int i = r * group + g, head = it->kv_head * group + g;
+            float* q = w->q + (int64_t)i * D;
+            load_row(q, L->q, (it->row0 + r) * L->q_stride_t + head * L->q_stride_h, D, L->is_bf16);
+            if (L->cos != NULL) rotate(q, w->rot, w->rot + D, w->rot + 2 * D, D, L->is_bf16);
+            for (int d = 0; d < D; d++) q[d] *= scale;
+            w->m[i] = -INFINITY;
+            w->l[i] = 0.0f;
+        }
+    }
+    memset(w->acc, 0, sizeof(float) * (size_t)it->nrows * group * D);
+}
+
+/* Online softmax for query vector i after a block's first n scores: fills p with
+ * exp(score - new max) (0 past n) and returns the factor its accumulator must shrink by
+ * (0 on its first block). */
+static inline float softmax_update(const Scratch* w, int i, const float* scores, int n, int BS) {
+    float block_max = -INFINITY;
+    for (int j = 0; j < n; j++) block_max = scores[j] > block_max ? scores[j] : block_max;
+    const float m_new = block_max > w->m[i] ? block_max : w->m[i];
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int j = 0; j < BS; j++) {
+        w->p[j] = j < n ? exp_clamped(scores[j] - m_new) : 0.0f;
+        sum += w->p[j];
+    }
+    const float correction = w->m[i] == m_new ? 1.0f : exp_clamped(w->m[i] - m_new);
+    w->l[i] = w->l[i] * correction + sum;
+    w->m[i] = m_new;
+    return correction;
+}
+
+static inline void store_outputs(const Layer* L, const WorkItem* it, const Scratch* w, int group) {
+    const int D = L->head_dim;
+    for (int i = 0; i < it->nrows * group; i++) {
+        const int head = it->kv_head * group + i % group;
+        float* acc = w->acc + (int64_t)i * D;
+        const float inv = 1.0f / w->l[i];
+        for (int d = 0; d < D; d++) acc[d] *= inv;
+        store_row(L->out, (it->row0 + i / group) * (int64_t)L->num_heads * D + (int64_t)head * D, acc, D, L->is_bf16);
+    }
+}
+
+/* 16 floats: GCC lowers these to whatever the CPU has (one AVX-512 register, two AVX2
+ * registers, four NEON registers), and keeps arrays of them in registers when their
+ * length is a compile-time constant. */
+typedef float vec16 __attribute__((vector_size(64), aligned(4)));
+#define VEC 16
+
+static inline vec16 vload(const float* p) { return *(const vec16*)p; }
+static inline void vstore(float* p, vec16 x) { *(vec16*)p = x; }
+
+/* Generic pages. D and BS are compile-time constants in the specialisations below
+ * (multiples of 16), so a block's scores and a query's accumulator stay in registers. */
+static inline __attribute__((always_inline)) void attend_impl(const Layer* L, const WorkItem* it,
+                                                              const Scratch* w, const int D, const int BS) {
+    const int group = L->num_heads / L->num_kv_heads;
+    const int last_pos = it->first_pos + it->nrows - 1;
+    const float* restrict k = w->k;
+    const float* restrict v = w->v;
+    load_queries(L, it, w, group, L->scale);
+    for (int b = 0; b <= last_pos / BS; b++) {
+        const int64_t page = ((int64_t)it->block_table[b] * L->num_kv_heads + it->kv_head) * BS * D;
+        const int key0 = b * BS;
+        const int nk = last_pos + 1 - key0 < BS ? last_pos + 1 - key0 : BS;
+        load_row(w->k, L->k_cache, page, D * BS, L->is_bf16);
+        load_row(w->v, L->v_cache, page, nk * D, L->is_bf16);
+        for (int i = 0; i < it->nrows * group; i++) {
+            const int pos = it->first_pos + i / group;
+            if (key0 > pos) continue; /* the whole block lies in this row's future */
+            const int n = pos + 1 - key0 < nk ? pos + 1 - key0 : nk;
+            const float* restrict q = w->q + (int64_t)i * D;
+            vec16 s[BS / VEC];
+            for (int c = 0; c < BS / VEC; c++) s[c] = (vec16){0};
+            for (int d = 0; d < D; d++)
+                for (int c = 0; c < BS / VEC; c++) s[c] += q[d] * vload(k + d * BS + c * VEC);
+            float scores[BS];
+            for (int c = 0; c < BS / VEC; c++) vstore(scores + c * VEC, s[c]);
+            const float correction = softmax_update(w, i, scores, n, BS);
+            float* restrict acc = w->acc + (int64_t)i * D;
+            vec16 a[D / VEC];
+            for (int c = 0; c < D / VEC; c++) a[c] = vload(acc + c * VEC) * correction;
+            for (int j = 0; j < n; j++)
+                for (int c = 0; c < D / VEC; c++) a[c] += w->p[j] * vload(v + j * D + c * VEC);
+            for (int c = 0; c < D / VEC; c++) vstore(acc + c * VEC, a[c]);
+        }
+    }
+    store_outputs(L, it, w, group);
+}
+
+/* Generic pages, any D or block size: the same algorithm with plain loops. */
+static void attend_any(const Layer* L, const WorkItem* it, const Scratch* w) {
+    const int group = L->num_heads / L->num_kv_heads, D = L->head_dim, BS = L->block_size;
+    const int last_pos = it->first_pos + it->nrows - 1;
+    float* scores = w->p + BS;
+    load_queries(L, it, w, group, L->scale);
+    for (int b = 0; b <= last_pos / BS; b++) {
+        const int64_t page = ((int64_t)it->block_table[b] * L->num_kv_heads + it->kv_head) * BS * D;
+        const int key0 = b * BS;
+        const int nk = last_pos + 1 - key0 < BS ? last_pos + 1 - key0 : BS;
+        load_row(w->k, L->k_cache, page, D * BS, L->is_bf16);
+        load_row(w->v, L->v_cache, page, nk * D, L->is_bf16);
+        for (int i = 0; i < it->nrows * group; i++) {
+            const int pos = it->first_pos + i / group;
+            if (key0 > pos) continue;
+            const int n = pos + 1 - key0 < nk ? pos + 1 - key0 : nk;
+            for (int j = 0; j < n; j++) {
+                scores[j] = 0.0f;
+                for (int d = 0; d < D; d++) scores[j] += w->q[(int64_t)i * D + d] * w->k[d * BS + j];
+            }
+            const float correction = softmax_update(w, i, scores, n, BS);
+            float* acc = w->acc + (int64_t)i * D;
+            for (int d = 0; d < D; d++) acc[d] *= correction;
+            for (int j = 0; j < n; j++)
+                for (int d = 0; d < D; d++) acc[d] += w->p[j] * w->v[j * D + d];
+        }
+    }
+    store_outputs(L, it, w, group);
+}
+
+#if defined(__AVX512BF16__)
+/* Paired bf16 pages. Queries are the rotated bf16 values transformers would use (scores
+ * are scaled after the products); probabilities are rounded to bf16 for the weighted
+ * sum, as a bf16 matmul of them would be. */
+static inline __attribute__((always_inline)) void attend_paired_impl(const Layer* L, const WorkItem* it,
+                                                                     const Scratch* w, const int D, const int BS) {
+    const int group = L->num_heads / L->num_kv_heads, nq = it->nrows * group;
+    const int last_pos = it->first_pos + it->nrows - 1;
+    bf16* q16 = (bf16*)w->k; /* [nq, D] */
+    bf16* p16 = (bf16*)w->v; /* [BS] */
+    load_queries(L, it, w, group, 1.0f);
+    for (int64_t x = 0; x < (int64_t)nq * D; x++) q16[x] = float_to_bf16(w->q[x]);
+    for (int b = 0; b <= last_pos / BS; b++) {
+        const int64_t page = ((int64_t)it->block_table[b] * L->num_kv_heads + it->kv_head) * BS * D;
+        const int32_t* kpage = (const int32_t*)((const bf16*)L->k_cache + page);
+        const int32_t* vpage = (const int32_t*)((const bf16*)L->v_cache + page);
+        const int key0 = b * BS;
+        const int nk = last_pos + 1 - key0 < BS ? last_pos + 1 - key0 : BS;
+        for (int i = 0; i < nq; i++) {
+            const int pos = it->first_pos + i / group;
+            if (key0 > pos) continue;
+            const int n = pos + 1 - key0 < nk ? pos + 1 - key0 : nk;
+            const int32_t* q2 = (const int32_t*)(q16 + (int64_t)i * D);
+            __m512 s[BS / 16];
+            for (int c = 0; c < BS / 16; c++) s[c] = _mm512_setzero_ps();
+            for (int d2 = 0; d2 < D / 2; d2++) {
+                const __m512bh qd = (__m512bh)_mm512_set1_epi32(q2[d2]);
+                for (int c = 0; c < BS / 16; c++)
+                    s[c] = _mm512_dpbf16_ps(s[c], qd, (__m512bh)_mm512_loadu_si512(kpage + d2 * BS + c * 16));
+            }
+            float scores[BS];
+            for (int c = 0; c < BS / 16; c++)
+                _mm512_storeu_ps(scores + c * 16, _mm512_mul_ps(s[c], _mm512_set1_ps(L->scale)));
+            const float correction = softmax_update(w, i, scores, n, BS);
+            for (int c = 0; c < BS / 16; c++)
+                _mm256_storeu_si256((__m256i*)(p16 + c * 16), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(w->p + c * 16)));
+            float* acc = w->acc + (int64_t)i * D;
+            __m512 a[D / 16];
+            for (int c = 0; c < D / 16; c++)
+                a[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + c * 16), _mm512_set1_ps(correction));
+            const int32_t* p2 = (const int32_t*)p16;
+            for (int j2 = 0; j2 < n / 2; j2++) {
+                const __m512bh pj = (__m512bh)_mm512_set1_epi32(p2[j2]);
+                for (int c = 0; c < D / 16; c++)
+                    a[c] = _mm512_dpbf16_ps(a[c], pj, (__m512bh)_mm512_loadu_si512(vpage + j2 * D + c * 16));
+            }
+            if (n % 2) { /* an odd last key: its partner (probability 0) may be unwritten memory, so
+                          * it is masked out rather than multiplied by 0, which NaN would survive */
+                const __m512bh pj = (__m512bh)_mm512_set1_epi32(p2[n / 2]);
+                const __m512i keep_first = _mm512_set1_epi32(0xffff);
+                for (int c = 0; c < D / 16; c++)
+                    a[c] = _mm512_dpbf16_ps(a[c], pj, (__m512bh)_mm512_and_si512(
+                        _mm512_loadu_si512(vpage + (n / 2) * D + c * 16), keep_first));
+            }
+            for (int c = 0; c < D / 16; c++) _mm512_storeu_ps(acc + c * 16, a[c]);
+        }
+    }
+    store_outputs(L, it, w, group);
+}
+#endif
+
+static void attend(const Layer* L, const WorkItem* it, const Scratch* w) {
+    const int D = L->head_dim, BS = L->block_size;
+#if defined(__AVX512BF16__)
+    if (paired_pages(L)) {
+        if (D == 64 && BS == 16) attend_paired_impl(L, it, w, 64, 16);
+        else if (D == 64 && BS == 32) attend_paired_impl(L, it, w, 64, 32);
+        else if (D == 128 && BS == 16) attend_paired_impl(L, it, w, 128, 16);
+        else if (D == 128 && BS == 32) attend_paired_impl(L, it, w, 128, 32);
+        else attend_paired_impl(L, it, w, D, BS);
+        return;
+    }
+#endif
+    if (D == 64 && BS == 16) attend_impl(L, it, w, 64, 16);
+    else if (D == 64 && BS == 32) attend_impl(L, it, w, 64, 32);
+    else if (D == 128 && BS == 16) attend_impl(L, it, w, 128, 16);
+    else if (D == 128 && BS == 32) attend_impl(L, it, w, 128, 32);
+    else attend_any(L, it, w);
+}
+
+/* Copy this step's K/V rows into their pages, rotating K first when cos/sin are given.
+ * A negative slot means "skip" (padded rows). */
+static void write_kv(const Layer* L, const void* k, int64_t k_stride_t, int64_t k_stride_h, const void* v,
+                     int64_t v_stride_t, int64_t v_stride_h, const int64_t* slots, int64_t num_tokens,
+                     int num_threads) {
+    const int D = L->head_dim, BS = L->block_size, Hkv = L->num_kv_heads;
+#pragma omp parallel num_threads(num_threads) if (num_tokens >= 16)
+    {
+        float* buf = (float*)malloc(sizeof(float) * 4 * (size_t)D);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < num_tokens; t++) {
+            const int64_t slot = slots[t];
+            if (slot < 0) continue;
+            const int64_t block = slot / BS;
+            const int j = (int)(slot % BS);
+            if (L->cos != NULL) {
+                load_row(buf + D, L->cos, t * D, D, L->is_bf16);
+                load_row(buf + 2 * D, L->sin, t * D, D, L->is_bf16);
+            }
+            for (int h = 0; h < Hkv; h++) {
+                const int64_t page = (block * Hkv + h) * BS * D;
+                load_row(buf, k, t * k_stride_t + h * k_stride_h, D, L->is_bf16);
+                if (L->cos != NULL) rotate(buf, buf + D, buf + 2 * D, buf + 3 * D, D, L->is_bf16);
+                for (int d = 0; d < D; d++) {
+                    if (L->is_bf16) ((bf16*)L->k_cache)[page + k_offset(L, j, d)] = float_to_bf16(buf[d]);
+                    else ((float*)L->k_cache)[page + k_offset(L, j, d)] = buf[d];
+                }
+                load_row(buf, v, t * v_stride_t + h * v_stride_h, D, L->is_bf16);
+                if (!paired_pages(L)) {
+                    store_row(L->v_cache, page + (int64_t)j * D, buf, D, L->is_bf16);
+                    continue;
+                }
+                for (int d = 0; d < D; d++) ((bf16*)L->v_cache)[page + v_offset(L, j, d)] = float_to_bf16(buf[d]);
+            }
+        }
+        free(buf);
+    }
+}
+
+/* One attention layer over a packed step: (rotary), KV write, then causal attention of
+ * every query row over its sequence's paged KV.
+ *   q: [T, H, D], k/v: [T, Hkv, D], each with the given strides (last dim contiguous)
+ *   cos/sin: [T, D] or NULL; out: contiguous [T, H, D]
+ *   decode rows 0..num_decodes-1: one query token each, at the end of a context of
+ *     decode_lens[i] tokens, block table row i of decode_tables [num_decodes, decode_width]
+ *   prefill chunk p: rows prefill_starts[p]..prefill_starts[p+1]-1, the last rows of a
+ *     context of prefill_lens[p] tokens, block table row p of prefill_tables */
+void paged_attention(void* out, const void* q, int64_t q_stride_t, int64_t q_stride_h, const void* k,
+                     int64_t k_stride_t, int64_t k_stride_h, const void* v, int64_t v_stride_t, int64_t v_stride_h,
+                     const void* cos, const void* sin, void* k_cache, void* v_cache, const int64_t* slots,
+                     int64_t num_tokens, int num_decodes, const int32_t* decode_tables, int decode_width,
+                     const int32_t* decode_lens, int num_prefills, const int32_t* prefill_starts,
+                     const int32_t* prefill_lens, const int32_t* prefill_tables, int prefill_width, int num_heads,
+                     int num_kv_heads, int head_dim, int block_size, float scale, int is_bf16, int num_threads) {
+    const Layer L = {out,     q,       q_stride_t, q_stride_h, cos,       sin,        k_cache, v_cache,
+                     num_heads, num_kv_heads, head_dim, block_size, scale, is_bf16};
+    write_kv(&L, k, k_stride_t, k_stride_h, v, v_stride_t, v_stride_h, slots, num_tokens, num_threads);
+
+    int64_t num_items = (int64_t)num_decodes * num_kv_heads;
+    for (int p = 0; p < num_prefills; p++)
+        num_items += (int64_t)((prefill_starts[p + 1] - prefill_starts[p] + MAX_ROWS - 1) / MAX_ROWS) * num_kv_heads;
+    WorkItem* items = (WorkItem*)malloc(sizeof(WorkItem) * (size_t)(num_items > 0 ? num_items : 1));
+    int64_t n = 0;
+    /* Prefill tiles first, latest (most keys) first: dynamic scheduling then evens out. */
+    for (int p = 0; p < num_prefills; p++) {
+        const int start = prefill_starts[p], len = prefill_starts[p + 1] - start;
+        for (int r = (len - 1) / MAX_ROWS * MAX_ROWS; r >= 0; r -= MAX_ROWS)
+            for (int h = 0; h < num_kv_heads; h++)
+                items[n++] = (WorkItem){start + r, len - r < MAX_ROWS ? len - r : MAX_ROWS,
+                                        prefill_lens[p] - len + r, h, prefill_tables + (int64_t)p * prefill_width};
+    }
+    for (int i = 0; i < num_decodes; i++)
+        for (int h = 0; h < num_kv_heads; h++)
+            items[n++] = (WorkItem){i, 1, decode_lens[i] - 1, h, decode_tables + (int64_t)i * decode_width};
+
+    const int nq = MAX_ROWS * (num_heads / num_kv_heads), D = head_dim;
+#pragma omp parallel num_threads(num_threads) if (n > 1)
+    {
+        const size_t k_size = (size_t)D * (block_size > nq ? block_size : nq); /* a page, or bf16 queries */
+        float* buf = (float*)malloc(sizeof(float) * ((size_t)2 * nq * D + 2 * nq + k_size + (size_t)block_size * D +
+                                                     2 * block_size + (size_t)3 * D));
+        Scratch w;
+        w.q = buf;
+        w.acc = w.q + (size_t)nq * D;
+        w.m = w.acc + (size_t)nq * D;
+        w.l = w.m + nq;
+        w.k = w.l + nq;
+        w.v = w.k + k_size;
+        w.p = w.v + (size_t)block_size * D;
+        w.rot = w.p + 2 * block_size;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < n; i++) attend(&L, &items[i], &w);
+        free(buf);
+    }
+    free(items);
+}

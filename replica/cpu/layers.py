@@ -1,0 +1,101 @@
+"""CPU stand-ins for transformers modules: the same math, and the same bf16 rounding
+points, in a few calls each instead of dozens of small torch ops.
+
+- PackedLinear: oneDNN with the weight reordered once into its blocked layout (what
+  inductor's weight freezing does), 1.3-2x faster than F.linear at decode sizes.
+- RMSNorm and SiluMLP: one C kernel each; the MLP's gate and up projections share one GEMM.
+- RotaryPagedAttention: q/k/v in one GEMM, then rotary, the KV write and paged attention
+  in one C call per layer.
+
+decoder.py decides where they replace transformers' modules.
+"""
+
+import torch
+from torch import nn
+
+from replica.attention.context import get_forward_context
+from replica.cpu import ops
+
+
+class PackedLinear(nn.Module):
+    """y = x W^T + b with W reordered once for oneDNN; a drop-in for nn.Linear."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        # The reorder takes a batch-size hint; decode batches are what runs most often.
+        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64))
+        self.bias = None if bias is None else bias.detach()
+
+    @classmethod
+    def concat(cls, linears: list[nn.Linear]) -> "PackedLinear":
+        """One GEMM for several projections of the same input (outputs side by side)."""
+        weight = torch.cat([m.weight for m in linears])
+        if all(m.bias is None for m in linears):
+            return cls(weight, None)
+        biases = [m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears]
+        return cls(weight, torch.cat(biases))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        y = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.weight = norm.weight
+        self.eps = norm.variance_epsilon
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """norm(x), or with `residual`: residual += x in place, then norm(residual)."""
+        return ops.rms_norm(x, self.weight, self.eps, residual)
+
+
+class SiluMLP(nn.Module):
+    def __init__(self, mlp: nn.Module):
+        super().__init__()
+        self.gate_up = PackedLinear.concat([mlp.gate_proj, mlp.up_proj])
+        self.down = PackedLinear(mlp.down_proj.weight, mlp.down_proj.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(ops.silu_mul(self.gate_up(x)))
+
+
+class RotaryPagedAttention(nn.Module):
+    """The Llama family's self-attention over kvserve's paged cache. Takes the same call
+    as the module it replaces (the decoder layer passes position_embeddings)."""
+
+    def __init__(self, attn: nn.Module):
+        super().__init__()
+        config = attn.config
+        self.layer_idx = attn.layer_idx
+        self.head_dim = attn.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.scaling = attn.scaling
+        self.qkv = PackedLinear.concat([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.o_proj = PackedLinear(attn.o_proj.weight, attn.o_proj.bias)
+        # Qwen3 normalises each head's q and k before the rotary embedding.
+        self.q_norm = RMSNorm(attn.q_norm) if hasattr(attn, "q_norm") else None
+        self.k_norm = RMSNorm(attn.k_norm) if hasattr(attn, "k_norm") else None
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings, **kwargs):
+        cos, sin = position_embeddings
+        return self.attend(hidden_states[0], cos[0], sin[0])[None], None
+
+    def attend(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """[T, E] -> [T, E]; cos, sin: [T, head_dim]."""
+        ctx = get_forward_context()
+        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv(hidden)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q = qkv[:, :q_size].view(num_tokens, self.num_heads, self.head_dim)
+        k = qkv[:, q_size : q_size + kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = qkv[:, q_size + kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        out = ops.paged_attention(q, k, v, k_cache, v_cache, ctx.metadata, self.scaling, cos=cos, sin=sin)
+        return self.o_proj(out.view(num_tokens, q_size))

@@ -1,0 +1,112 @@
+"""Tensor-level wrappers around the compiled CPU kernels (kernels.c).
+
+Each wrapper checks what the C code assumes (CPU, fp32 or bf16, unit stride in the last
+dimension) and passes raw pointers. ctypes releases the GIL for the call.
+"""
+
+import torch
+
+from replica.attention.metadata import AttentionMetadata
+from replica.cpu.build import load_library
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _is_bf16(t: torch.Tensor) -> int:
+    if t.dtype not in SUPPORTED_DTYPES or t.device.type != "cpu":
+        raise ValueError(f"CPU kernels take float32 or bfloat16 CPU tensors, got {t.dtype} on {t.device}")
+    return int(t.dtype == torch.bfloat16)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """RMSNorm of x; with `residual`, first residual += x (in place), then the norm of
+    the sum: the decoder layer's skip connection and the next norm in one pass."""
+    x = x.contiguous()
+    if residual is not None and not (residual.is_contiguous() and residual.shape == x.shape):
+        raise ValueError("residual must be contiguous and shaped like x")
+    out = torch.empty_like(x)
+    n = x.shape[-1]
+    load_library().rms_norm(
+        out.data_ptr(), x.data_ptr(), _ptr(residual), weight.data_ptr(), x.numel() // n, n, eps, _is_bf16(x),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [..., 2n] (gate first) -> [..., n]."""
+    gate_up = gate_up.contiguous()
+    n = gate_up.shape[-1] // 2
+    out = gate_up.new_empty((*gate_up.shape[:-1], n))
+    load_library().silu_mul(
+        out.data_ptr(), gate_up.data_ptr(), gate_up.numel() // (2 * n), n, _is_bf16(gate_up),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, dim=-1) for a 2-D CPU tensor, without widening bf16 first."""
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.long)
+    load_library().argmax_rows(
+        out.data_ptr(), x.data_ptr(), x.shape[0], x.shape[1], _is_bf16(x), torch.get_num_threads()
+    )
+    return out
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, Hkv, block_size, D], contiguous, q's dtype
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    cos: torch.Tensor | None = None,  # [T, D]: apply the rotary embedding to q and k first
+    sin: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Write this step's K/V (rotated when cos/sin are given) into the paged cache, then
+    attend every query row causally over its sequence's cache. Returns [T, H, D].
+
+    Called once per layer per step, so it checks only what a layer could get wrong; the
+    step's metadata becomes kernel arguments once, on the first layer."""
+    num_tokens, num_heads, head_dim = q.shape
+    if (
+        q.stride(2) != 1
+        or k.stride(2) != 1
+        or v.stride(2) != 1
+        or not k.dtype == v.dtype == k_cache.dtype == q.dtype
+    ):
+        raise ValueError("q, k, v and the KV cache need one dtype and a contiguous last dimension")
+    if cos is not None and not (cos.dtype == q.dtype and cos.is_contiguous() and sin.is_contiguous()):
+        cos, sin = cos.to(q.dtype).contiguous(), sin.to(q.dtype).contiguous()
+    out = q.new_empty((num_tokens, num_heads, head_dim))
+    load_library().paged_attention(
+        out.data_ptr(), q.data_ptr(), q.stride(0), q.stride(1),
+        k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
+        _ptr(cos), _ptr(sin), k_cache.data_ptr(), v_cache.data_ptr(), *_step_arguments(meta),
+        num_heads, k_cache.shape[1], head_dim, k_cache.shape[2], scale, _is_bf16(q), torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def _step_arguments(meta: AttentionMetadata) -> tuple:
+    """The metadata as the kernel's arguments (slots, token count, decode rows, prefill
+    chunks), built on a step's first layer and reused by the others."""
+    if meta.kernel_args is None:
+        decode_tables, prefill_tables = meta.decode_block_tables, meta.prefill_block_tables
+        meta.kernel_args = (
+            meta.slot_mapping.data_ptr(), meta.slot_mapping.shape[0],
+            meta.num_decodes, _ptr(decode_tables), 0 if decode_tables is None else decode_tables.shape[1],
+            _ptr(meta.decode_context_lens),
+            len(meta.prefills), _ptr(meta.prefill_query_starts), _ptr(meta.prefill_context_lens),
+            _ptr(prefill_tables), 0 if prefill_tables is None else prefill_tables.shape[1],
+        )  # fmt: skip
+    return meta.kernel_args

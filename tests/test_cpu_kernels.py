@@ -1,0 +1,189 @@
+"""kvserve's C kernels (replica/cpu) against the torch and transformers code they stand
+in for: paged attention against dense causal attention (both page layouts, rotary fused
+or not), and the norms, activation, argmax and packed linears against their modules."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_attention_reference import dense_reference
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+from replica.attention import build_metadata
+from replica.attention.torch_backend import kv_cache_shape
+from replica.cpu import build, ops
+from replica.cpu.layers import PackedLinear
+
+pytestmark = pytest.mark.skipif(
+    build.compiler() is None, reason="no C compiler: the CPU kernels cannot be built"
+)
+
+# Tolerances against an fp32 reference: bf16 inputs, outputs and probabilities round.
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
+
+
+def _rotary(positions: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    angles = positions[:, None].float() * inv_freq[None]
+    emb = torch.cat([angles, angles], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def run_attention(seqs, heads, kv_heads, head_dim, block_size, dtype, rotary, seed):
+    """Two kernel steps over a scattered paged cache: first each sequence's history
+    (cached tokens) as a prefill, then the step under test (decode rows, fresh prefills,
+    chunks after a prefix), each compared with dense attention over the whole sequence."""
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-(c + n) // block_size) for c, n in seqs) + 2
+    k_cache = torch.zeros(kv_cache_shape(num_blocks, block_size, kv_heads, head_dim), dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    tables = [[free.pop() for _ in range(-(-(c + n) // block_size))] for c, n in seqs]
+    qs, ks, vs = [], [], []
+    for c, n in seqs:
+        qs.append(torch.randn(c + n, heads, head_dim, generator=g).to(dtype))
+        ks.append(torch.randn(c + n, kv_heads, head_dim, generator=g).to(dtype))
+        vs.append(torch.randn(c + n, kv_heads, head_dim, generator=g).to(dtype))
+    scale = head_dim**-0.5
+
+    def step(rows: list[int], starts: list[int], ends: list[int]):
+        meta = build_metadata(
+            [tables[i] for i in rows],
+            ends,
+            [e - s for s, e in zip(starts, ends, strict=True)],
+            block_size,
+            "cpu",
+        )
+        pick = lambda xs: torch.cat([xs[i][s:e] for i, s, e in zip(rows, starts, ends, strict=True)])  # noqa: E731
+        cos = sin = None
+        if rotary:
+            positions = torch.cat([torch.arange(s, e) for s, e in zip(starts, ends, strict=True)])
+            cos, sin = (t.to(dtype) for t in _rotary(positions, head_dim))
+        out = ops.paged_attention(pick(qs), pick(ks), pick(vs), k_cache, v_cache, meta, scale, cos, sin)
+        row = 0
+        for i, s, e in zip(rows, starts, ends, strict=True):
+            q, k, v = (t.float() for t in (qs[i][:e], ks[i][:e], vs[i][:e]))
+            if rotary:
+                cos, sin = _rotary(torch.arange(e), head_dim)
+                q, k = apply_rotary_pos_emb(q.transpose(0, 1), k.transpose(0, 1), cos, sin, unsqueeze_dim=0)
+                q, k = q.transpose(0, 1), k.transpose(0, 1)
+            expected = dense_reference(q[s:], k, v, scale)
+            tol = TOLERANCE[dtype]
+            torch.testing.assert_close(out[row : row + e - s].float(), expected, atol=tol, rtol=tol)
+            row += e - s
+
+    history = [i for i, (c, _) in enumerate(seqs) if c > 0]
+    if history:
+        step(history, [0] * len(history), [seqs[i][0] for i in history])
+    # build_metadata wants decode rows (one new token after a history) first.
+    order = sorted(range(len(seqs)), key=lambda i: not (seqs[i][1] == 1 and seqs[i][0] > 0))
+    step(order, [seqs[i][0] for i in order], [sum(seqs[i]) for i in order])
+
+
+SEQS = [(5, 1), (40, 1), (1, 1), (0, 19), (23, 9), (0, 1), (64, 3)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("head_dim", "block_size"),
+    # (16, 4): generic pages; (64, 16) and (32, 32): in bf16 on AVX512-BF16 CPUs, the
+    # paired pages (D % 32 == 0, BS % 16 == 0), including the specialised shapes.
+    [(16, 4), (64, 16), (32, 32)],
+)
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (6, 2), (8, 1)])
+def test_paged_attention_matches_dense(dtype, head_dim, block_size, heads, kv_heads):
+    run_attention(SEQS, heads, kv_heads, head_dim, block_size, dtype, rotary=False, seed=heads + head_dim)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("head_dim", "block_size"), [(16, 4), (64, 16)])
+def test_fused_rotary_matches_transformers(dtype, head_dim, block_size):
+    run_attention(SEQS, 4, 2, head_dim, block_size, dtype, rotary=True, seed=7)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seqs=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 20)), min_size=1, max_size=6),
+    block_size=st.sampled_from([1, 3, 16, 32]),
+    group=st.sampled_from([1, 3]),
+    bf16=st.booleans(),
+)
+def test_paged_attention_any_batch(seqs, block_size, group, bf16):
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    run_attention(seqs, 2 * group, 2, 32, block_size, dtype, rotary=bf16, seed=len(seqs))
+
+
+def test_negative_slots_write_nothing():
+    """Padded rows (slot -1) of a CUDA-graph-style batch must leave the cache untouched."""
+    k_cache = torch.zeros(kv_cache_shape(2, 4, 1, 16))
+    v_cache = torch.zeros_like(k_cache)
+    meta = build_metadata([[0]], [1], [1], 4, "cpu")
+    meta.slot_mapping.fill_(-1)
+    q, k, v = (torch.randn(1, 1, 16) for _ in range(3))
+    ops.paged_attention(q, k, v, k_cache, v_cache, meta, 0.25)
+    assert not k_cache.any() and not v_cache.any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_transformers(dtype):
+    torch.manual_seed(0)
+    norm = LlamaRMSNorm(96, eps=1e-5).to(dtype)
+    norm.weight.data = torch.randn(96).to(dtype)
+    x, residual = torch.randn(2, 7, 96).to(dtype), torch.randn(2, 7, 96).to(dtype)
+    torch.testing.assert_close(ops.rms_norm(x, norm.weight, 1e-5), norm(x))
+    expected_sum = residual + x
+    fused = ops.rms_norm(x, norm.weight, 1e-5, residual=residual)
+    torch.testing.assert_close(residual, expected_sum)  # the skip connection, in place
+    torch.testing.assert_close(fused, norm(expected_sum))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_torch(dtype):
+    gate_up = torch.randn(5, 3, 2 * 40).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(ops.silu_mul(gate_up), torch.nn.functional.silu(gate) * up)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_matches_torch_including_ties(dtype):
+    x = torch.randn(33, 49157).to(dtype)
+    x[3, [10, 4000, 49000]] = 100.0  # ties resolve to the first index, as in torch
+    x[4] = 0.0
+    assert torch.equal(ops.argmax(x), torch.argmax(x, dim=-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_linear(dtype, bias):
+    torch.manual_seed(0)
+    first, second = (
+        torch.nn.Linear(64, 48, bias=bias).to(dtype),
+        torch.nn.Linear(64, 16, bias=False).to(dtype),
+    )
+    fused = PackedLinear.concat([first, second])
+    for rows in (1, 7, 130):
+        x = torch.randn(rows, 64).to(dtype)
+        expected = torch.cat([first(x), second(x)], dim=-1)
+        tol = TOLERANCE[dtype]
+        torch.testing.assert_close(fused(x), expected, atol=tol, rtol=tol)
+
+
+def test_kernels_refuse_other_dtypes():
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        ops.silu_mul(torch.randn(2, 8, dtype=torch.float16))
+
+
+def test_a_failing_build_says_why(monkeypatch, tmp_path):
+    """A compiler that fails is reported (and `auto` then falls back to torch)."""
+    from replica.attention.select import cpu_kernels_built
+
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    monkeypatch.setattr(build, "SOURCE", tmp_path / "kernels.c")
+    (tmp_path / "kernels.c").write_text("int broken(;\n")
+    build.load_library.cache_clear()
+    try:
+        with pytest.raises(build.CpuKernelsUnavailable, match="failed to build"):
+            build.load_library()
+        assert not cpu_kernels_built()
+    finally:
+        build.load_library.cache_clear()
