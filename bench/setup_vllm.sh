@@ -10,6 +10,12 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 VENV=${VLLM_VENV:-.venv-vllm}
 VERSION=0.32.0
+# tcmalloc, which vLLM's CPU docs ask to preload (bench/peers.py uses it for `vllm tuned`).
+tcmalloc=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
+if [ ! -e "$tcmalloc" ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  apt-get update -qq && apt-get install -y -qq libgoogle-perftools4 >/dev/null
+fi
+[ -e "$tcmalloc" ] || echo "warning: $tcmalloc missing (Debian: libgoogle-perftools4); vllm tuned runs without it" >&2
 stamp="$VENV/.vllm-installed"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$VERSION" ]; then
   exit 0

@@ -87,7 +87,11 @@ def test_a_replica_kill_retries_queued_requests_and_leaks_nothing(ray_cluster, m
     serve.run(build_app(config), name=app, route_prefix=f"/{app}")
     try:
         url = f"http://127.0.0.1:{SERVE_HTTP_PORT}/{app}/v1/completions"
-        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 48, "ignore_eos": True}
+        # Long enough answers that each replica's queue stays full for seconds, however fast
+        # the engine or slow the machine: with 48 tokens the queues drained before a
+        # coordinator snapshot saw both replicas busy on a loaded CI machine.
+        max_tokens = 192
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True}
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             futures = [pool.submit(stream_completion, url, body) for _ in range(8)]
 
@@ -104,7 +108,7 @@ def test_a_replica_kill_retries_queued_requests_and_leaks_nothing(ray_cluster, m
         assert len(failed) == 1, results  # the one the dead replica was streaming
         assert failed[0]["status"] == 200 and failed[0]["chunks"] > 0
         assert failed[0]["end"]["code"] == 503
-        assert all(r["tokens"] == 48 for r in results if r["end"] == "length")
+        assert all(r["tokens"] == max_tokens for r in results if r["end"] == "length")
 
         def replaced_and_idle() -> bool:
             snapshot = coordinator_snapshot(app)
