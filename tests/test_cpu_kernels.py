@@ -35,8 +35,11 @@ def run_attention(seqs, heads, kv_heads, head_dim, block_size, dtype, rotary, se
     chunks after a prefix), each compared with dense attention over the whole sequence."""
     g = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-(c + n) // block_size) for c, n in seqs) + 2
-    k_cache = torch.zeros(kv_cache_shape(num_blocks, block_size, kv_heads, head_dim), dtype=dtype)
-    v_cache = torch.zeros_like(k_cache)
+    # NaN wherever nothing was written: a kernel that lets unwritten cache memory reach
+    # its output (even times a zero probability) fails the comparison.
+    shape = kv_cache_shape(num_blocks, block_size, kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full_like(k_cache, float("nan"))
     free = torch.randperm(num_blocks, generator=g).tolist()
     tables = [[free.pop() for _ in range(-(-(c + n) // block_size))] for c, n in seqs]
     qs, ks, vs = [], [], []
