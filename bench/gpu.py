@@ -39,7 +39,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig  # noqa: E402
 
-from bench.offline import generate_all, make_workload, run_kvserve  # noqa: E402
+from bench.offline import generate_all, make_workload, run_kvserve, warm_up_workload  # noqa: E402
 from replica import LLM, SamplingParams  # noqa: E402
 from replica.model_loader import resolve_model  # noqa: E402
 
@@ -263,7 +263,7 @@ def main() -> None:
         )
         for cap in args.caps
     }
-    warm = make_workload(4, args.prompt_len, 4, 4, shape["vocab_size"], args.seed + 99)
+    warm = warm_up_workload(args.prompt_len, shape["vocab_size"], args.seed)
     seconds: dict[str, dict[int, float]] = {}
     engine_info, batch1 = {}, None
 

@@ -61,6 +61,11 @@ def make_workload(n: int, prompt_len: int, mean: float, cap: int, vocab: int, se
     return prompts, _output_lengths(n, mean, cap, seed + 1)
 
 
+def warm_up_workload(prompt_len: int, vocab: int, seed: int):
+    """The few short requests every system runs once before it is timed."""
+    return make_workload(4, prompt_len, 4, 4, vocab, seed + 99)
+
+
 def make_mixed_workload(n: int, prompt_lens: tuple[int, int], mean: float, cap: int, vocab: int, seed: int):
     rng = random.Random(seed)
     prompts = [[rng.randrange(100, vocab - 100) for _ in range(rng.randint(*prompt_lens))] for _ in range(n)]
@@ -138,7 +143,7 @@ class GenerateBatch:
             max_requests_per_batch=args.batch_size,
             use_cuda_graph=False,
         )
-        self.warm_up = make_workload(4, args.prompt_len, 4, 4, hf.vocab_size, args.seed + 99)
+        self.warm_up = warm_up_workload(args.prompt_len, hf.vocab_size, args.seed)
 
     def run(self, prompts, lengths) -> float:
         with self.model.continuous_batching_context_manager(
@@ -212,7 +217,7 @@ def gemm_rates(hf, args, dtype: torch.dtype) -> dict:
 
 def warm_up(runners: dict, args, vocab: int) -> None:
     """One warm-up each, so first-call costs stay out of the timings."""
-    prompts, lengths = make_workload(4, args.prompt_len, 4, 4, vocab, args.seed + 99)
+    prompts, lengths = warm_up_workload(args.prompt_len, vocab, args.seed)
     for system, run in runners.items():
         print(f"warm-up {system} ...", flush=True)
         run(prompts, lengths)
