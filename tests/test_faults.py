@@ -77,9 +77,9 @@ def stream_completion(url: str, body: dict) -> dict:
 
 
 def test_a_replica_kill_retries_queued_requests_and_leaks_nothing(ray_cluster, model_path):
-    """Two replicas that run one request at a time, eight requests: each replica runs
-    one and queues three. Killing one replica fails only the request it was streaming;
-    its queued ones had produced nothing and finish on the other replica. Serve starts a
+    """Two replicas that run one request at a time, eight requests: a replica running
+    one with others queued is killed. That fails only the request it was streaming; its
+    queued ones had produced nothing and finish on the other replica. Serve starts a
     replacement, the coordinator forgets the dead replica, and no block stays taken."""
     app = "fault-retry"
     config = {"app_name": app, "model": str(model_path), "served_model_name": MODEL, "replicas": 2}
@@ -87,20 +87,30 @@ def test_a_replica_kill_retries_queued_requests_and_leaks_nothing(ray_cluster, m
     serve.run(build_app(config), name=app, route_prefix=f"/{app}")
     try:
         url = f"http://127.0.0.1:{SERVE_HTTP_PORT}/{app}/v1/completions"
-        # Long enough answers that each replica's queue stays full for seconds, however fast
-        # the engine or slow the machine: with 48 tokens the queues drained before a
-        # coordinator snapshot saw both replicas busy on a loaded CI machine.
+        # Long enough answers that the queues stay full for seconds, however fast the
+        # engine or slow the machine.
         max_tokens = 192
         body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True}
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             futures = [pool.submit(stream_completion, url, body) for _ in range(8)]
+            snapshot = {}
 
-            def queued_on_both() -> bool:
-                stats = coordinator_snapshot(app).values()
-                return len(stats) == 2 and all(s["num_running"] == 1 and s["num_waiting"] for s in stats)
+            def busy_with_a_queue(stats: dict) -> bool:
+                return stats["num_running"] == 1 and stats["num_waiting"] > 0
 
-            wait_for(queued_on_both, timeout_s=60)
-            victim = max(coordinator_snapshot(app).items(), key=lambda kv: kv[1]["num_waiting"])[0]
+            def a_replica_queues() -> bool:
+                # How the router splits the eight between the replicas is its business
+                # (CI saw splits where the two were never both queued at once).
+                snapshot.clear()
+                snapshot.update(coordinator_snapshot(app))
+                return any(busy_with_a_queue(s) for s in snapshot.values())
+
+            try:
+                wait_for(a_replica_queues, timeout_s=60)
+            except AssertionError:
+                raise AssertionError(f"no replica ever queued a request: {snapshot}") from None
+            busy = [(replica, s) for replica, s in snapshot.items() if busy_with_a_queue(s)]
+            victim = max(busy, key=lambda kv: kv[1]["num_waiting"])[0]
             ray.kill(ray.get_actor(f"SERVE_REPLICA::{app}#LLMServer#{victim}", namespace="serve"))
             results = [f.result() for f in futures]
 
