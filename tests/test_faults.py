@@ -99,8 +99,8 @@ def test_a_replica_kill_retries_queued_requests_and_leaks_nothing(ray_cluster, m
                 return stats["num_running"] == 1 and stats["num_waiting"] > 0
 
             def a_replica_queues() -> bool:
-                # How the router splits the eight between the replicas is its business
-                # (CI saw splits where the two were never both queued at once).
+                # How the router splits the eight between the replicas is its business:
+                # in CI the two were never seen queued at once (cause not pinned down).
                 snapshot.clear()
                 snapshot.update(coordinator_snapshot(app))
                 return any(busy_with_a_queue(s) for s in snapshot.values())
