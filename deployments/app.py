@@ -97,8 +97,15 @@ def build_app(config: AppConfig | dict) -> Application:
         max_queued_requests=config.max_queued_requests,
         backpressure_config=BackpressureConfig(status_code=429, retry_after_s=1),
     )
+    can_scale_to_zero = config.autoscaling is not None and config.autoscaling.min_replicas == 0
     return ingress.bind(
-        llm, config.model_name, config.model, coordinator, config.api_keys, config.max_request_bytes
+        llm,
+        config.model_name,
+        config.model,
+        coordinator,
+        config.api_keys,
+        config.max_request_bytes,
+        warm_up=not can_scale_to_zero,
     )
 
 

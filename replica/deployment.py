@@ -1,27 +1,27 @@
 """The Ray Serve deployment that owns one engine and streams its outputs.
 
-The engine is synchronous and not thread-safe, so every call into it (add, abort,
-step) runs on one dedicated thread; the replica's event loop only awaits that thread
-and hands each step's outputs to the per-request queues. A stream that the caller
-drops (disconnect, cancel, timeout) aborts its engine request, so its KV blocks are
-free again after the current step.
+The engine runs on its own thread (replica/engine_loop.py) and steps back to back; each
+step's outputs are handed to this replica's event loop, which appends them to the
+per-request streams. A stream sends everything its request produced since its last
+send as one item, so when the event loop falls behind the engine, items grow instead of
+the engine waiting. A stream that the caller drops (disconnect, cancel, timeout)
+aborts its engine request, so its KV blocks are free again after the current step.
 """
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 
 import ray
 from ray import serve
 
 from replica.config import EngineConfig
 from replica.engine import Engine
+from replica.engine_loop import EngineLoop
 from replica.outputs import RequestDelta
 from replica.sampling_params import SamplingParams
 
@@ -32,17 +32,32 @@ STATS_PUSH_INTERVAL_S = 0.1
 CACHED_HASHES_REPORTED = 4096
 
 
+@dataclass
+class _Stream:
+    """One request's deltas not yet sent, filled from the engine's outputs."""
+
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    deltas: list[RequestDelta] = field(default_factory=list)
+    error: BaseException | None = None
+
+
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
 class LLMServer:
     def __init__(self, engine_args: dict | None = None, coordinator: tuple[str, str] | None = None):
         """coordinator: (namespace, name) of the named actor to push stats to."""
         self.engine = Engine(EngineConfig.from_kwargs(**(engine_args or {})))
+        self.engine.warm_up()  # before Serve counts the replica as ready
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._report = self._build_report()
-        self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-engine")
-        self._streams: dict[str, asyncio.Queue] = {}
-        self._wakeup: asyncio.Event | None = None
-        self._loop_task: asyncio.Task | None = None
+        self._streams: dict[str, _Stream] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None  # Serve's, set by the first call
+        self._engine = EngineLoop(
+            self.engine,
+            on_outputs=self._hand_over,
+            on_step_error=self._fail_all,
+            on_tick=self._refresh_report,
+            idle_tick_s=STATS_PUSH_INTERVAL_S,
+        )
         if coordinator is not None:
             threading.Thread(
                 target=self._push_stats, args=coordinator, name="kvserve-stats", daemon=True
@@ -56,24 +71,24 @@ class LLMServer:
         Bad prompts or sampling values raise ValueError before anything is streamed."""
         sampling = SamplingParams(**(params or {}))
         request_id = request_id or uuid.uuid4().hex
-        queue: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = queue
+        stream = _Stream()
+        self._streams[request_id] = stream
         finished = False
         try:
             await self._call_engine(self.engine.add_request, prompt, sampling, request_id)
-            self._start_loop()
-            self._wakeup.set()
             while not finished:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield _delta(item, self.replica_id)
+                await stream.ready.wait()
+                stream.ready.clear()
+                if stream.error is not None:
+                    raise stream.error
+                deltas, stream.deltas = stream.deltas, []
+                finished = deltas[-1].finished
+                yield _merged(deltas, self.replica_id)
         finally:
             self._streams.pop(request_id, None)
             if not finished:
                 # Not awaited: this also runs while the caller's task is being cancelled.
-                self._engine_thread.submit(self.engine.abort, request_id)
+                self._engine.call(self.engine.abort, request_id)
 
     def _stats(self) -> dict:
         """Engine figures. Reads engine state, so it runs on the engine thread."""
@@ -133,55 +148,57 @@ class LLMServer:
                 coordinator = None
 
     def check_health(self) -> None:
-        if self._loop_task is not None and self._loop_task.done():
-            raise RuntimeError(f"engine loop stopped: {self._loop_task.exception()!r}")
+        if not self._engine.is_alive():
+            raise RuntimeError("the engine thread stopped")
 
     async def _call_engine(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._engine_thread, fn, *args)
+        self._loop = asyncio.get_running_loop()
+        return await asyncio.wrap_future(self._engine.call(fn, *args))
 
-    def _start_loop(self) -> None:
-        if self._loop_task is None:
-            self._wakeup = asyncio.Event()
-            self._loop_task = asyncio.get_running_loop().create_task(self._engine_loop())
+    def _hand_over(self, outputs: list[RequestDelta]) -> None:
+        """On the engine thread: pass a step's outputs to the event loop, in one callback."""
+        self._loop.call_soon_threadsafe(self._append, outputs)
 
-    async def _engine_loop(self) -> None:
-        while True:
-            # Cleared before stepping, so a request added during the step is not missed.
-            self._wakeup.clear()
-            try:
-                outputs, busy = await self._call_engine(self._step)
-            except Exception as e:  # a failed step fails its requests, not the replica
-                logger.exception("engine step failed")
-                for request_id, queue in list(self._streams.items()):
-                    queue.put_nowait(RuntimeError(f"engine step failed: {e}"))
-                    self._engine_thread.submit(self.engine.abort, request_id)
-                continue
-            for out in outputs:
-                queue = self._streams.get(out.request_id)
-                if queue is not None:
-                    queue.put_nowait(out)
-            if not busy:
-                # Idle: still tick now and then, so the report catches up with aborts.
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wakeup.wait(), timeout=STATS_PUSH_INTERVAL_S)
+    def _append(self, outputs: list[RequestDelta]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.deltas.append(out)
+                stream.ready.set()
 
-    def _step(self) -> tuple[list[RequestDelta], bool]:
-        outputs = self.engine.step() if self.engine.has_unfinished() else []
+    def _fail_all(self, error: Exception) -> None:
+        """On the engine thread, after a failed step: abort and fail every request."""
+        failure = RuntimeError(f"engine step failed: {error}")
+        for request_id in list(self._streams):
+            self.engine.abort(request_id)
+        self._loop.call_soon_threadsafe(self._fail_streams, failure)
+
+    def _fail_streams(self, failure: Exception) -> None:
+        for stream in self._streams.values():
+            stream.error = failure
+            stream.ready.set()
+
+    def _refresh_report(self) -> None:
+        """On the engine thread, so the report reads engine state between steps."""
         if time.time() - self._report["reported_at"] >= STATS_PUSH_INTERVAL_S:
             self._report = self._build_report()
-        return outputs, self.engine.has_unfinished()
 
 
-def _delta(out: RequestDelta, replica_id: str) -> dict:
+def _merged(deltas: list[RequestDelta], replica_id: str) -> dict:
+    """Several steps' deltas of one request as one stream item."""
+    last = deltas[-1]
+    logprobs = None
+    if last.new_logprobs is not None:
+        logprobs = [asdict(lp) for d in deltas for lp in d.new_logprobs]
     return {
-        "request_id": out.request_id,
+        "request_id": last.request_id,
         "replica_id": replica_id,
-        "text": out.new_text,
-        "token_ids": out.new_token_ids,
-        "logprobs": None if out.new_logprobs is None else [asdict(lp) for lp in out.new_logprobs],
-        "finished": out.finished,
-        "finish_reason": out.finish_reason,
-        "num_prompt_tokens": out.num_prompt_tokens,
-        "num_output_tokens": out.num_output_tokens,
-        "num_cached_tokens": out.num_cached_tokens,
+        "text": "".join(d.new_text for d in deltas),
+        "token_ids": [t for d in deltas for t in d.new_token_ids],
+        "logprobs": logprobs,
+        "finished": last.finished,
+        "finish_reason": last.finish_reason,
+        "num_prompt_tokens": last.num_prompt_tokens,
+        "num_output_tokens": last.num_output_tokens,
+        "num_cached_tokens": last.num_cached_tokens,
     }

@@ -108,6 +108,24 @@ class Engine:
         self.scheduler.add(request)
         return request_id
 
+    def warm_up(self, num_tokens: int = 256) -> None:
+        """Run a prefill of about num_tokens over two dummy requests and a few decode
+        steps, greedy and sampled, so that a server's first request does not pay for
+        lazy initialisation (CUDA context, Triton JIT, first calls into oneDNN). Then
+        forget them: the prefix cache and its counters are left as they were."""
+        if self.has_unfinished():
+            raise RuntimeError("warm_up runs before any request")
+        prompt_len = max(1, min(num_tokens // 2, self.max_model_len - 4))
+        vocab = self.runner.vocab_size
+        for i, temperature in enumerate((0.0, 1.0)):
+            prompt = [(i * prompt_len + t) % vocab for t in range(prompt_len)]
+            params = SamplingParams(max_tokens=3, temperature=temperature, ignore_eos=True)
+            self.add_request(prompt, params, request_id=f"kvserve-warm-up-{i}")
+        while self.has_unfinished():
+            self.step()
+        self.kv.pool.reset_prefix_cache()
+        self.kv.prefix_cache_queries = self.kv.prefix_cache_hits = 0
+
     def abort(self, request_id: str) -> bool:
         request = self._requests.get(request_id)
         if request is None:

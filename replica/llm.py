@@ -71,11 +71,13 @@ class LLM:
         return chat_prompt_ids(self.tokenizer, messages)
 
 
-def chat_prompt_ids(tokenizer, messages: list[Message]) -> list[int]:
-    """The prompt token ids for a conversation, ready for the assistant's turn."""
+def chat_prompt_ids(tokenizer, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
+    """The prompt token ids for a conversation, by default ready for the assistant's turn."""
     if tokenizer.chat_template is None:
         raise ValueError("this model has no chat template; use a plain prompt")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=False
+    )
     return tokenizer(text, add_special_tokens=False).input_ids
 
 

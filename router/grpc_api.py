@@ -120,9 +120,9 @@ class GrpcAPI:
             return None
         try:
             if chat:
-                prompt, params = self._chat_input(chat_body(request))
+                prompt, params = await self._chat_input(chat_body(request))
             else:
-                prompt, params = self._completion_input(completion_body(request))
+                prompt, params = await self._completion_input(completion_body(request))
             return await self._start(prompt, params)
         except ValidationError as e:
             _fail(grpc_context, APIError(400, validation_message(e)))

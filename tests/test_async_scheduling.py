@@ -30,12 +30,12 @@ def _params(stop_text: str) -> list[SamplingParams]:
 
 
 def _engine(model_path, async_scheduling: bool) -> LLM:
-    # 9 blocks of 16 tokens cannot hold all six requests at once (preemption), and a
+    # 8 blocks of 16 tokens cannot hold all six requests at once (preemption), and a
     # 24-token budget chunks the long prompt.
     return LLM(
         str(model_path),
         dtype="float32",
-        num_kv_blocks=9,
+        num_kv_blocks=8,
         block_size=16,
         max_num_batched_tokens=24,
         async_scheduling=async_scheduling,

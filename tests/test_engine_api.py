@@ -148,3 +148,20 @@ def test_missing_model_and_unknown_args_are_clear_errors(tmp_path):
         LLM(None, bogus=1)
     with pytest.raises(ValueError, match="scheduling_policy"):
         LLM(None, scheduling_policy="fifo")
+
+
+def test_warm_up_leaves_no_trace(llm_fp32):
+    """A serving replica warms its engine at start-up; its dummy requests must leave no
+    cached blocks, no counts and no change in what real requests get."""
+    params = SamplingParams(max_tokens=12, temperature=0)
+    prompt = "The three primary colours are"
+    (before,) = llm_fp32.generate(prompt, params, use_tqdm=False)
+    engine = llm_fp32.engine
+    engine.warm_up(num_tokens=96)
+    stats = engine.stats()
+    assert stats.kv.num_free_blocks == stats.kv.num_total_blocks
+    assert engine.kv.cached_prefix_summary(16) == []
+    assert stats.kv.prefix_cache_queries == stats.kv.prefix_cache_hits == 0
+    assert engine.sampling.num_slots_in_use == 0
+    (after,) = llm_fp32.generate(prompt, params, use_tqdm=False)
+    assert after.token_ids == before.token_ids and after.num_cached_tokens == 0

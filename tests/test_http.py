@@ -39,7 +39,12 @@ def client(base_url):
 
 def test_models_and_health(client, base_url):
     assert [m.id for m in client.models.list()] == [MODEL]
-    assert httpx.get(f"{base_url}/health").json() == {"status": "ok"}
+    # 503 while the ingress's start-up request warms the path, then 200.
+    deadline = time.monotonic() + 30
+    while (health := httpx.get(f"{base_url}/health")).status_code == 503 and time.monotonic() < deadline:
+        assert health.json() == {"status": "warming up"}
+        time.sleep(0.2)
+    assert health.status_code == 200 and health.json() == {"status": "ok"}
 
 
 def test_completion_matches_offline_greedy(client, llm_fp32):
@@ -209,3 +214,51 @@ def test_metrics_parse_with_vllm_names(client, base_url):
         s.value for s in families["vllm:time_to_first_token_seconds"].samples if s.name.endswith("_count")
     ]
     assert ttft_count and ttft_count[0] >= 1
+
+
+def test_tokenize_detokenize_and_model_card_as_vllm_shapes_them(base_url, llm_fp32):
+    """What `vllm bench serve`, GuideLLM and vLLM clients call besides generation."""
+    tokenizer = llm_fp32.engine.tokenizer
+    card = httpx.get(f"{base_url}/v1/models").json()["data"][0]
+    assert card["root"] and card["parent"] is None
+    # The replica's own window, clipped to its 0.25 GB KV cache, not the model's 8192.
+    snapshot = ray.get(get_coordinator(coordinator_address("http-test")).snapshot.remote())
+    assert card["max_model_len"] == min(s["max_model_len"] for s in snapshot.values()) < 8192
+
+    text = "The capital of France is"
+    answer = httpx.post(f"{base_url}/tokenize", json={"model": MODEL, "prompt": text}).json()
+    assert answer["tokens"] == tokenizer(text).input_ids
+    assert answer["count"] == len(answer["tokens"]) and answer["max_model_len"] == card["max_model_len"]
+
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = httpx.post(f"{base_url}/tokenize", json={"messages": messages}).json()
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert chat["tokens"] == tokenizer(rendered, add_special_tokens=False).input_ids
+    # The prompt tokens a chat completion reports are exactly these.
+    reply = httpx.post(
+        f"{base_url}/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 1}
+    ).json()
+    assert reply["usage"]["prompt_tokens"] == chat["count"]
+
+    back = httpx.post(f"{base_url}/detokenize", json={"model": MODEL, "tokens": answer["tokens"]})
+    assert back.json() == {"prompt": tokenizer.decode(answer["tokens"])}
+
+    for path, body, status in [
+        ("/tokenize", {"prompt": text, "messages": messages}, 400),
+        ("/tokenize", {}, 400),
+        ("/tokenize", {"model": "other", "prompt": text}, 404),
+        ("/detokenize", {"tokens": [10**9]}, 400),
+        ("/detokenize", {"tokens": [-1]}, 400),
+    ]:
+        response = httpx.post(f"{base_url}{path}", json=body)
+        assert response.status_code == status, (path, body, response.text)
+        assert response.json()["error"]["message"]
+
+
+def test_request_id_header_is_echoed_on_streams_too(base_url):
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 3, "stream": True}
+    headers = {"x-request-id": "client-chosen-42"}
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, headers=headers) as response:
+        assert response.status_code == 200
+        assert response.headers["x-request-id"] == "client-chosen-42"
+        assert "data: [DONE]" in list(response.iter_lines())
