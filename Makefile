@@ -2,7 +2,7 @@
 VENV ?= .venv
 PROMPT ?= Write a haiku about paged memory.
 
-.PHONY: setup run generate test lint bench bench-serving bench-soak protos
+.PHONY: setup run generate test lint bench bench-serving bench-serving-peers bench-soak protos
 
 setup:
 	./scripts/setup.sh
@@ -25,6 +25,10 @@ bench: setup
 
 bench-serving: setup
 	HF_HUB_OFFLINE=1 $(VENV)/bin/python bench/serving.py
+
+bench-serving-peers: setup
+	bash bench/setup_vllm.sh
+	HF_HUB_OFFLINE=1 $(VENV)/bin/python bench/serving_peers.py
 
 bench-soak: setup
 	HF_HUB_OFFLINE=1 $(VENV)/bin/python bench/soak.py

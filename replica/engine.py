@@ -77,15 +77,17 @@ class Engine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
     ) -> str:
-        params = params or SamplingParams()
+        waiting = len(self.scheduler.waiting)
+        if self.config.max_waiting is not None and waiting >= self.config.max_waiting:
+            raise QueueFullError(f"{waiting} requests are already waiting (max_waiting)")
+        return self._add(prompt, params or SamplingParams(), request_id)
+
+    def _add(self, prompt: str | list[int], params: SamplingParams, request_id: str | None) -> str:
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenizer(prompt).input_ids
         else:
             text, token_ids = None, list(prompt)
         self._check_prompt(token_ids)
-        waiting = len(self.scheduler.waiting)
-        if self.config.max_waiting is not None and waiting >= self.config.max_waiting:
-            raise QueueFullError(f"{waiting} requests are already waiting (max_waiting)")
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -120,7 +122,7 @@ class Engine:
         for i, temperature in enumerate((0.0, 1.0)):
             prompt = [(i * prompt_len + t) % vocab for t in range(prompt_len)]
             params = SamplingParams(max_tokens=3, temperature=temperature, ignore_eos=True)
-            self.add_request(prompt, params, request_id=f"kvserve-warm-up-{i}")
+            self._add(prompt, params, f"kvserve-warm-up-{i}")  # past max_waiting, which may be 0
         while self.has_unfinished():
             self.step()
         self.kv.pool.reset_prefix_cache()

@@ -5,21 +5,27 @@ coordinator; this router keeps a copy of the coordinator's snapshot, refreshed i
 background, so nothing on the request path waits on the coordinator. For each request
 it ranks replicas by
 
-1. free KV blocks net of what the request needs: its prompt less the cached prefix,
-   plus its max_tokens, against the replica's free blocks less what its own requests
-   will still take (compared in steps of `slack_fraction` of the cache below the
-   roomiest replica, so that replicas with about the same room tie and the next key
-   decides between them);
-2. then the longest cached prefix of the prompt;
-3. then queue length: replicas that tie on both keys form one rank, and Serve picks
-   the one with the fewest ongoing requests within it.
+1. whether they would accept it: replicas whose waiting queue is full (`max_waiting`)
+   would refuse it, so they come last;
+2. whether it fits: free KV blocks, less what the replica's own requests will still
+   take, must cover the request's prompt (less its cached prefix) and its max_tokens;
+3. then least cost, in KV blocks, as Dynamo's and llm-d's routers score: the load the
+   replica already carries (blocks its requests hold or will still take) plus the
+   prompt blocks it would have to prefill, which a cached prefix reduces. A shared
+   system prompt therefore attracts requests only while the replica holding it is not
+   busier by more than the prefill it saves;
+4. replicas with equal keys form one rank, and Serve picks the one with the fewest
+   ongoing requests within it.
 
-Replicas whose waiting queue is full (`max_waiting`) would refuse the request, so they
-come last whatever their keys.
-
-The snapshot is up to ~200 ms old, so the router also remembers the blocks it promised
-each replica since that replica's last report; a burst of requests spreads out instead of
-piling onto whichever replica looked emptiest. Without a snapshot (coordinator gone,
+The snapshot is up to ~200 ms old, and a request routed just before a report may not
+have reached the engine yet, so the router also keeps its own account of each
+replica's load: the blocks it promised since the replica's last report, and the blocks
+of its requests still in flight there (until Serve reports them completed). A
+replica's load is the larger of the reported load plus the recent promises and the
+router's in-flight blocks. Serve asks for rankings of a burst's requests before it has
+routed any of them, so each ranking also reserves the request's blocks on the replica
+it puts first, until Serve routes a request there (or half a second passes): a burst
+spreads out instead of piling onto whichever replica looked emptiest. Without a snapshot (coordinator gone,
 replica not yet heard from, or a text prompt the router cannot hash) it falls back to
 power-of-two choices.
 """
@@ -44,6 +50,7 @@ REFRESH_INTERVAL_S = 0.1
 # A request routed less than this long before a report may not have reached the engine yet.
 ARRIVAL_MARGIN_S = 0.05
 DEBIT_TTL_S = 5.0
+RESERVATION_TTL_S = 0.5
 
 
 @dataclass
@@ -113,20 +120,27 @@ def net_free_blocks(request: RoutedRequest, view: ReplicaView, promised_blocks: 
     return view.free_blocks - promised_blocks - need, hits
 
 
-def placement_keys(
-    candidates: dict[ReplicaID, tuple[int, int, int, bool]], slack_fraction: float
-) -> dict[ReplicaID, tuple[bool, int, int]]:
-    """Larger is better. candidates: replica -> (net free blocks, cached blocks, total
-    blocks, accepting). Replicas that are not accepting rank last.
+@dataclass(frozen=True)
+class Placement:
+    """How well one replica suits one request; `key` orders them, larger is better."""
 
-    Net free room is measured in steps of `slack_fraction` of the cache below the roomiest
-    replica: every replica within one step of it ties, and the cached prefix decides."""
-    best = max(net for net, *_ in candidates.values())
-    keys = {}
-    for replica_id, (net, hits, total, accepting) in candidates.items():
-        slack = max(1, round(total * slack_fraction))
-        keys[replica_id] = (accepting, -((best - net) // slack), hits)
-    return keys
+    accepting: bool  # its waiting queue has room
+    fits: bool  # its free blocks cover everything the request may take
+    cost_blocks: int  # its load plus the prompt blocks it would prefill
+
+    @property
+    def key(self) -> tuple[bool, bool, int]:
+        return (self.accepting, self.fits, -self.cost_blocks)
+
+
+def placement(
+    request: RoutedRequest, view: ReplicaView, promised_blocks: int, in_flight_blocks: int = 0
+) -> Placement:
+    """in_flight_blocks: what this router's own unfinished requests there may take."""
+    net_free, hits = net_free_blocks(request, view, promised_blocks)
+    load = max(view.total_blocks - view.free_blocks + promised_blocks, in_flight_blocks)
+    prefill = cdiv(len(request.prompt), view.block_size) - hits
+    return Placement(view.accepting, net_free >= 0, load + prefill)
 
 
 def group_ranks(keys: dict[ReplicaID, tuple]) -> list[list[ReplicaID]]:
@@ -154,15 +168,17 @@ class KVAwareRouter(RequestRouter):
     def initialize_state(
         self,
         coordinator: Sequence[str] | None = None,
-        slack_fraction: float = 0.125,
         refresh_interval_s: float = REFRESH_INTERVAL_S,
     ) -> None:
         """coordinator: (namespace, name) of the application's coordinator actor."""
         self._coordinator_address = tuple(coordinator) if coordinator else None
-        self._slack_fraction = slack_fraction
         self._refresh_interval_s = refresh_interval_s
         self._views: dict[str, ReplicaView] = {}
         self._debits: dict[str, list[Debit]] = defaultdict(list)
+        # replica -> {Serve's internal request id: blocks the request may take}
+        self._in_flight: dict[str, dict[str, int]] = defaultdict(dict)
+        # replica -> blocks of requests ranked first there and not yet routed, oldest first
+        self._reserved: dict[str, list[Debit]] = defaultdict(list)
         self._refresher: asyncio.Task | None = None
 
     async def choose_replicas(
@@ -184,17 +200,26 @@ class KVAwareRouter(RequestRouter):
         views = {r.replica_id: self._views.get(r.replica_id.unique_id) for r in candidate_replicas}
         if request is None or not views or any(v is None for v in views.values()):
             return None
-        candidates = {
-            replica_id: (
-                *net_free_blocks(request, view, self._promised_blocks(replica_id.unique_id)),
-                view.total_blocks,
-                view.accepting,
-            )
-            for replica_id, view in views.items()
-        }
-        keys = placement_keys(candidates, self._slack_fraction)
+        keys = {}
+        for replica_id, view in views.items():
+            rid = replica_id.unique_id
+            in_flight = sum(self._in_flight.get(rid, {}).values()) + self._reserved_blocks(rid)
+            keys[replica_id] = placement(request, view, self._promised_blocks(rid), in_flight).key
+        ranks = group_ranks(keys)
+        if len(ranks[0]) == 1:
+            first = views[ranks[0][0]]
+            blocks = first.free_blocks - net_free_blocks(request, first, 0)[0]
+            self._reserved[ranks[0][0].unique_id].append(Debit(time.time(), blocks))
         by_id = {r.replica_id: r for r in candidate_replicas}
-        return [[by_id[i] for i in rank] for rank in group_ranks(keys)]
+        return [[by_id[i] for i in rank] for rank in ranks]
+
+    def _reserved_blocks(self, replica_id: str) -> int:
+        reserved = self._reserved.get(replica_id)
+        if not reserved:
+            return 0
+        cutoff = time.time() - RESERVATION_TTL_S
+        reserved[:] = [r for r in reserved if r.routed_at > cutoff]
+        return sum(r.blocks for r in reserved)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         request = routed_request(pending_request)
@@ -202,7 +227,19 @@ class KVAwareRouter(RequestRouter):
         if request is None or view is None:
             return
         net_free, _ = net_free_blocks(request, view, 0)
-        self._debits[replica_id.unique_id].append(Debit(time.time(), view.free_blocks - net_free))
+        blocks = view.free_blocks - net_free
+        self._debits[replica_id.unique_id].append(Debit(time.time(), blocks))
+        self._in_flight[replica_id.unique_id][pending_request.metadata.internal_request_id] = blocks
+        reserved = self._reserved.get(replica_id.unique_id)
+        if reserved:  # the request is now in flight there: its reservation (or a peer's) ends
+            reserved.pop(0)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        requests = self._in_flight.get(replica_id.unique_id)
+        if requests is not None:
+            requests.pop(internal_request_id, None)
+            if not requests:
+                del self._in_flight[replica_id.unique_id]
 
     def _promised_blocks(self, replica_id: str) -> int:
         """Blocks routed to the replica that its last report cannot include yet."""

@@ -15,7 +15,7 @@ from deployments.app import build_app
 from kvcache import KVCacheManager, hash_full_blocks
 from replica import SamplingParams
 from router.coordinator import coordinator_address
-from router.kv_router import ReplicaView, RoutedRequest, group_ranks, net_free_blocks, placement_keys
+from router.kv_router import ReplicaView, RoutedRequest, group_ranks, net_free_blocks, placement
 
 APP = "router-test"
 MODEL = "SmolLM2-135M-Instruct"
@@ -36,11 +36,7 @@ def view(free: int, cached: list[bytes] = (), total: int = 64, accepting: bool =
 
 def keys(prompt: list[int], views: dict[str, ReplicaView], promised: dict[str, int] | None = None) -> dict:
     promised = promised or {}
-    candidates = {
-        r: (*net_free_blocks(RoutedRequest(prompt, 1), v, promised.get(r, 0)), v.total_blocks, v.accepting)
-        for r, v in views.items()
-    }
-    return placement_keys(candidates, slack_fraction=0.125)  # 8 blocks of 64
+    return {r: placement(RoutedRequest(prompt, 1), v, promised.get(r, 0)).key for r, v in views.items()}
 
 
 def test_net_free_blocks_credits_the_cached_prefix_but_never_the_last_token():
@@ -77,14 +73,48 @@ def test_much_more_room_beats_a_cached_prefix():
     assert k["roomy"] > k["cached"]
 
 
-def test_within_the_slack_of_the_roomiest_the_cached_prefix_decides():
-    prompt = list(range(100, 164))
+def test_a_cached_prefix_wins_while_it_saves_more_than_the_extra_load():
+    prompt = list(range(100, 164))  # 4 prompt blocks (with the last token), 3 of them cacheable
     hashes = hash_full_blocks(prompt[:-1], 16)
-    k = keys(prompt, {"near": view(free=45), "cached": view(free=40, cached=hashes)})
+    # 2 blocks more load, 3 blocks less prefill: the cached replica costs less.
+    k = keys(prompt, {"near": view(free=42), "cached": view(free=40, cached=hashes)})
     assert k["cached"] > k["near"]
-    # No prefix anywhere: the tie is left to Serve's queue-length comparison.
-    k = keys(prompt, {"a": view(free=45), "b": view(free=40)})
+    # 5 blocks more load outweigh the 3 it saves: a shared prefix must not pile requests up.
+    k = keys(prompt, {"near": view(free=45), "cached": view(free=40, cached=hashes)})
+    assert k["near"] > k["cached"]
+    # Same load, no prefix anywhere: the tie is left to Serve's queue-length comparison.
+    k = keys(prompt, {"a": view(free=45), "b": view(free=45)})
     assert k["a"] == k["b"]
+
+
+def _route_burst(views: dict[str, ReplicaView], prompts: list[list[int]]) -> list[str]:
+    """Route requests one after another, debiting each choice as the router does."""
+    promised = dict.fromkeys(views, 0)
+    chosen = []
+    for prompt in prompts:
+        request = RoutedRequest(prompt, 48)
+        best = max(views, key=lambda r: placement(request, views[r], promised[r]).key)
+        chosen.append(best)
+        promised[best] += views[best].free_blocks - net_free_blocks(request, views[best], 0)[0]
+    return chosen
+
+
+def test_a_burst_of_equal_requests_splits_evenly_or_leans_only_as_far_as_a_prefix_saves():
+    """The router's own debits are all that changes during a burst. Equal requests on
+    equal replicas split evenly (free room compared in buckets once sent 13 of 16 to
+    one replica), and a shared system prompt cached on one replica tilts the split
+    only by the prefill it saves there."""
+    rng = random.Random(1)
+    equal = {"a": view(free=60), "b": view(free=60)}
+    chosen = _route_burst(equal, [[rng.randrange(1000, 40000) for _ in range(40)] for _ in range(16)])
+    assert chosen.count("a") == chosen.count("b") == 8, chosen
+
+    system = [rng.randrange(1000, 40000) for _ in range(48)]  # 3 blocks
+    prompts = [system + [rng.randrange(1000, 40000) for _ in range(8)] for _ in range(16)]
+    views = {"with_prefix": view(free=60, cached=hash_full_blocks(system, 16)), "without": view(free=60)}
+    chosen = _route_burst(views, prompts)
+    assert chosen[0] == "with_prefix"  # the first request takes the prefix hit
+    assert 8 <= chosen.count("with_prefix") <= 11, chosen
 
 
 def test_promised_blocks_count_against_a_replica():
