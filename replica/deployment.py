@@ -9,7 +9,6 @@ aborts its engine request, so its KV blocks are free again after the current ste
 """
 
 import asyncio
-import logging
 import threading
 import time
 import uuid
@@ -24,8 +23,6 @@ from replica.engine import Engine
 from replica.engine_loop import EngineLoop
 from replica.outputs import RequestDelta
 from replica.sampling_params import SamplingParams
-
-logger = logging.getLogger("ray.serve")
 
 STATS_PUSH_INTERVAL_S = 0.1
 # 4096 hashes x 16 bytes: 64 KiB per push, enough for 64k cached tokens at block size 16.

@@ -113,10 +113,11 @@ class Engine:
     def warm_up(self, num_tokens: int = 256) -> None:
         """Run a prefill of about num_tokens over two dummy requests and a few decode
         steps, greedy and sampled, so that a server's first request does not pay for
-        lazy initialisation (CUDA context, Triton JIT, first calls into oneDNN). Then
-        forget them: the prefix cache and its counters are left as they were."""
+        lazy initialisation (CUDA context, Triton JIT; on CPU it changes little). Then
+        forget them: the prefix cache is emptied and its counters are left as they were."""
         if self.has_unfinished():
-            raise RuntimeError("warm_up runs before any request")
+            raise RuntimeError("warm_up runs while no request is in the engine")
+        counters = self.kv.prefix_cache_queries, self.kv.prefix_cache_hits
         prompt_len = max(1, min(num_tokens // 2, self.max_model_len - 4))
         vocab = self.runner.vocab_size
         for i, temperature in enumerate((0.0, 1.0)):
@@ -126,7 +127,7 @@ class Engine:
         while self.has_unfinished():
             self.step()
         self.kv.pool.reset_prefix_cache()
-        self.kv.prefix_cache_queries = self.kv.prefix_cache_hits = 0
+        self.kv.prefix_cache_queries, self.kv.prefix_cache_hits = counters
 
     def abort(self, request_id: str) -> bool:
         request = self._requests.get(request_id)

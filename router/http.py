@@ -300,7 +300,10 @@ class OpenAIIngress(GrpcAPI):
 
     async def _max_model_len(self) -> int | None:
         """The replicas' context window (they size it from their KV cache), else the model's."""
-        snapshot = await self.coordinator.snapshot.remote() if self.coordinator else {}
+        try:
+            snapshot = await self.coordinator.snapshot.remote() if self.coordinator else {}
+        except Exception:  # the coordinator died; routers recreate it
+            snapshot = {}
         lengths = [stats["max_model_len"] for stats in snapshot.values() if "max_model_len" in stats]
         return min(lengths) if lengths else self.config_max_len
 

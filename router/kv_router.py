@@ -25,9 +25,10 @@ replica's load is the larger of the reported load plus the recent promises and t
 router's in-flight blocks. Serve asks for rankings of a burst's requests before it has
 routed any of them, so each ranking also reserves the request's blocks on the replica
 it puts first, until Serve routes a request there (or half a second passes): a burst
-spreads out instead of piling onto whichever replica looked emptiest. Without a snapshot (coordinator gone,
-replica not yet heard from, or a text prompt the router cannot hash) it falls back to
-power-of-two choices.
+spreads out instead of piling onto whichever replica looked emptiest.
+
+Without a snapshot (coordinator gone, replica not yet heard from, or a text prompt the
+router cannot hash) it falls back to power-of-two choices.
 """
 
 import asyncio

@@ -157,11 +157,12 @@ def test_warm_up_leaves_no_trace(llm_fp32):
     prompt = "The three primary colours are"
     (before,) = llm_fp32.generate(prompt, params, use_tqdm=False)
     engine = llm_fp32.engine
+    counters = engine.stats().kv.prefix_cache_queries, engine.stats().kv.prefix_cache_hits
     engine.warm_up(num_tokens=96)
     stats = engine.stats()
     assert stats.kv.num_free_blocks == stats.kv.num_total_blocks
     assert engine.kv.cached_prefix_summary(16) == []
-    assert stats.kv.prefix_cache_queries == stats.kv.prefix_cache_hits == 0
+    assert (stats.kv.prefix_cache_queries, stats.kv.prefix_cache_hits) == counters
     assert engine.sampling.num_slots_in_use == 0
     (after,) = llm_fp32.generate(prompt, params, use_tqdm=False)
     assert after.token_ids == before.token_ids and after.num_cached_tokens == 0
