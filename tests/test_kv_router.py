@@ -208,7 +208,11 @@ def test_32_concurrent_mixed_requests_across_two_replicas(router_app, llm_fp32, 
     client = openai.AsyncOpenAI(
         base_url=f"http://127.0.0.1:{SERVE_HTTP_PORT}/router-test/v1", api_key="unused", max_retries=0
     )
-    questions = [f"Write one sentence about the number {i}." for i in range(8)]
+    # Longer than one KV block, so that every request, not only the chats (whose template
+    # adds a system prompt), shows up in its replica's prefix-cache queries.
+    questions = [
+        f"Write one short sentence about the number {i}, and say why people like it." for i in range(8)
+    ]
     before = snapshot()
 
     async def greedy_completion(i: int) -> str:
@@ -243,6 +247,8 @@ def test_32_concurrent_mixed_requests_across_two_replicas(router_app, llm_fp32, 
     # Same seed, same text, whichever replica and batch each copy landed in.
     assert chat_streamed == chat_json
     assert all(text for text in chat_json)
+
+    assert all(len(tokenizer(q).input_ids) > BLOCK for q in questions)
 
     def served() -> list[str]:
         after = snapshot()
