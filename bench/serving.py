@@ -13,6 +13,9 @@ token event.
 
     python bench/serving.py            # writes bench/results/serving_cpu.{json,png}
     python bench/serving.py --quick    # smoke run
+
+bench/serving_peers.py compares `kvserve serve` with `vllm serve` under vLLM's own load
+generator; it runs both as subprocess servers, so it is a script of its own.
 """
 
 import argparse

@@ -296,7 +296,7 @@ class OpenAIIngress(GrpcAPI):
     def _tokenize(self, body: TokenizeRequest) -> list[int]:
         if body.prompt is not None:
             return self.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
-        return self._chat_prompt_ids(body.messages, body.add_generation_prompt)
+        return self._chat_prompt_ids([m.model_dump() for m in body.messages], body.add_generation_prompt)
 
     async def _max_model_len(self) -> int | None:
         """The replicas' context window (they size it from their KV cache), else the model's."""
@@ -367,10 +367,9 @@ class OpenAIIngress(GrpcAPI):
         params = body.sampling_params(body.max_completion_tokens or body.max_tokens, body.num_logprobs)
         return prompt, params
 
-    def _chat_prompt_ids(self, messages: list, add_generation_prompt: bool = True) -> list[int]:
+    def _chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         if self.tokenizer.chat_template is None:
             raise APIError(400, "this model has no chat template; use /v1/completions")
-        messages = [m if isinstance(m, dict) else m.model_dump() for m in messages]
         return chat_prompt_ids(self.tokenizer, messages, add_generation_prompt)
 
     async def _start(self, prompt: list[int], params: dict) -> Generation:
