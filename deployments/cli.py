@@ -170,9 +170,9 @@ def _serve(args: argparse.Namespace) -> int:
     stop = threading.Event()
     # Ray Serve's own throughput settings (user code on the replica's main event loop,
     # buffered access logs, gRPC between handles, GC frozen after start-up): on a 2-core
-    # machine, 137 -> 149 output tok/s under `vllm bench serve` at concurrency 16 (one run
-    # each). Every Serve process reads it, so it goes to the local Ray this starts and to
-    # the job's workers.
+    # machine, 137 -> 149 output tok/s under `vllm bench serve` at concurrency 16 (a
+    # one-off check, one run each, not a committed benchmark). Every Serve process reads
+    # it, so it goes to the local Ray this starts and to the job's workers.
     # Direct ingress stays off: Serve's proxy still answered on our ports with it on, and
     # its 30 s draining period held up shutdown.
     serve_env = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
