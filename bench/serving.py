@@ -10,6 +10,10 @@ token event.
   prefix   Multi-turn chats, each turn sent once the previous reply is in and the user
            has thought: the replicas' prefix-cache hit rate (cached blocks / queried
            blocks) under both routers, with 2 and with 4 replicas.
+  bursts   Bursts of equal requests (one prompt for all of them, so the replica that
+           cached it looks cheapest) sent at once to 2 idle replicas, under both
+           routers: the share of each burst that the busiest replica got, read from
+           the x-kvserve-replica header of every response.
 
     python bench/serving.py            # writes bench/results/serving_cpu.{json,png}
     python bench/serving.py --quick    # smoke run
@@ -242,6 +246,33 @@ def run_prefix(args) -> dict:
     return out
 
 
+async def burst(base_url: str, jobs: list[tuple[str, dict]]) -> list[str]:
+    """Send jobs at once (not streamed); the replica that served each one."""
+    async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
+        responses = await asyncio.gather(
+            *(client.post(path, json={**payload, "model": MODEL}) for path, payload in jobs)
+        )
+    for response in responses:
+        response.raise_for_status()
+    return [response.headers["x-kvserve-replica"] for response in responses]
+
+
+def run_bursts(args) -> dict:
+    (job,) = token_jobs(random.Random(13), 1, args.burst_prompt, args.burst_output)
+    out = {}
+    for router in ("kv", "pow2"):
+        app = App(f"bench-bursts-{router}", router, args.engine)
+        shares = []
+        for _ in range(args.bursts):
+            served = asyncio.run(burst(app.base_url, [job] * args.burst_size))
+            shares.append(max(served.count(r) for r in set(served)) / len(served))
+            time.sleep(args.burst_gap)  # idle replicas again, and their reports say so
+        app.close()
+        out[router] = {"busiest_share_per_burst": shares, "max_busiest_share": max(shares)}
+        print(f"bursts {router}: {out[router]}", flush=True)
+    return out
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -309,7 +340,12 @@ def main() -> None:
     parser.add_argument("--chat-stagger", type=float, default=0.5, help="seconds between chat starts")
     parser.add_argument("--prefix-kv-blocks", type=int, default=128)
     parser.add_argument("--prefix-replicas", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--only", choices=["rates", "routing", "prefix"], nargs="+")
+    parser.add_argument("--bursts", type=int, default=10)
+    parser.add_argument("--burst-size", type=int, default=8)
+    parser.add_argument("--burst-prompt", type=int, default=128)
+    parser.add_argument("--burst-output", type=int, default=16)
+    parser.add_argument("--burst-gap", type=float, default=1.0, help="seconds between bursts")
+    parser.add_argument("--only", choices=["rates", "routing", "prefix", "bursts"], nargs="+")
     parser.add_argument("--out", type=Path, default=RESULTS / "serving_cpu.json")
     parser.add_argument("--quick", action="store_true", help="tiny smoke run")
     args = parser.parse_args()
@@ -317,6 +353,7 @@ def main() -> None:
     if args.quick:
         args.rates, args.rates_requests, args.routing_requests = [2.0], 6, 8
         args.chats, args.turns, args.prefix_replicas = 2, 2, [2]
+        args.bursts = 2
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
@@ -325,7 +362,8 @@ def main() -> None:
         "config": {k: v for k, v in vars(args).items() if k not in ("out", "only")},
     }
     try:
-        for name, run in (("rates", run_rates), ("routing", run_routing), ("prefix", run_prefix)):
+        experiments = {"rates": run_rates, "routing": run_routing, "prefix": run_prefix, "bursts": run_bursts}
+        for name, run in experiments.items():
             if args.only is None or name in args.only:
                 result[name] = run(args)
     finally:

@@ -62,6 +62,7 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self.sampling = SamplingState(config.max_num_seqs, self.runner.vocab_size, self.runner.device)
         self._argmax = cpu_ops.argmax if self.runner.backend.name == "cpu" else torch_argmax
+        self._temperature_sample = cpu_ops.sample if self.runner.backend.name == "cpu" else None
         # Overlap host work with the device's: worth it where they are separate (CUDA).
         self.async_scheduling = (
             config.async_scheduling
@@ -180,7 +181,7 @@ class Engine:
         requests = [items[i].request for i in sample_rows]
         if not requests:
             return _InFlight([], None)
-        sampled = sample(logits, self.sampling.batch(requests), self._argmax)
+        sampled = sample(logits, self.sampling.batch(requests), self._argmax, self._temperature_sample)
         self.sampling.record(requests, sampled.token_ids)
         for row, request in enumerate(requests):  # placeholders until the tokens are read
             request.token_ids.append(PENDING)

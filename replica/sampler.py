@@ -75,17 +75,31 @@ class SamplerOutput:
         return tokens, logprobs
 
 
+# (logits [B, V], temperatures [B] with 0 for greedy rows, draws [B, 1] in [0, 1)) -> tokens [B]
+TemperatureSample = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 def torch_argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
 def sample(
-    logits: torch.Tensor, batch: SamplingBatch, argmax: Callable[[torch.Tensor], torch.Tensor] = torch_argmax
+    logits: torch.Tensor,
+    batch: SamplingBatch,
+    argmax: Callable[[torch.Tensor], torch.Tensor] = torch_argmax,
+    temperature_sample: TemperatureSample | None = None,
 ) -> SamplerOutput:
     """logits: [B, V] in the model's dtype. `argmax` may be a faster kernel than torch's
-    (the CPU one reads bf16 directly); greedy rows without penalties never widen to fp32."""
-    if batch.all_greedy and batch.penalties is None and batch.max_logprobs < 0:
+    (the CPU one reads bf16 directly); greedy rows without penalties never widen to fp32.
+    `temperature_sample`, a fused kernel for batches that only set temperatures (what
+    most clients send), does the same inverse-CDF draw in one pass over the logits."""
+    plain = batch.penalties is None and batch.max_logprobs < 0
+    if batch.all_greedy and plain:
         return SamplerOutput(argmax(logits))
+    only_temperature = plain and batch.top_k is None and batch.top_p is None and batch.min_p is None
+    if temperature_sample is not None and only_temperature:
+        draws = _uniforms(logits, batch.generators)
+        return SamplerOutput(temperature_sample(logits, batch.temperature, draws))
     logits = logits.float()
     raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs >= 0 else None
     if batch.penalties is not None:
@@ -127,12 +141,12 @@ def _filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return probs
 
 
-def _uniforms(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+def _uniforms(like: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
     """[B, 1] draws in [0, 1); seeded rows from their own generator."""
-    draws = torch.rand(probs.shape[0], 1, device=probs.device)
+    draws = torch.rand(like.shape[0], 1, device=like.device)
     for row, generator in enumerate(generators):
         if generator is not None:
-            draws[row] = torch.rand(1, generator=generator, device=probs.device)
+            draws[row] = torch.rand(1, generator=generator, device=like.device)
     return draws
 
 

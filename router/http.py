@@ -37,6 +37,7 @@ from router.protocol import (
 )
 
 logger = logging.getLogger("ray.serve")
+REPLICA_HEADER = "x-kvserve-replica"
 
 app = FastAPI(title="kvserve")
 app.add_middleware(BodySizeLimit)
@@ -379,13 +380,15 @@ class OpenAIIngress(GrpcAPI):
         generation = await self._start(prompt, params)
         response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         formatter = _Formatter(response_id, self.model_name, chat, self.tokenizer)
+        # Which replica serves the request, for operators and for bench/serving.py's split.
+        headers = {REPLICA_HEADER: generation.first["replica_id"]}
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
-                _sse(formatter, generation, include_usage), media_type="text/event-stream"
+                _sse(formatter, generation, include_usage), media_type="text/event-stream", headers=headers
             )
         try:
             chunks = [chunk async for chunk in generation.chunks()]
         finally:
             generation.cancel()
-        return formatter.whole(chunks)
+        return JSONResponse(formatter.whole(chunks), headers=headers)

@@ -14,8 +14,8 @@ it ranks replicas by
    prompt blocks it would have to prefill, which a cached prefix reduces. A shared
    system prompt therefore attracts requests only while the replica holding it is not
    busier by more than the prefill it saves;
-4. replicas with equal keys form one rank, and Serve picks the one with the fewest
-   ongoing requests within it.
+4. among replicas with equal keys, one at random comes first (and the rest next),
+   so that the router knows where the request will go (see below).
 
 The snapshot is up to ~200 ms old, and a request routed just before a report may not
 have reached the engine yet, so the router also keeps its own account of each
@@ -25,7 +25,10 @@ replica's load is the larger of the reported load plus the recent promises and t
 router's in-flight blocks. Serve asks for rankings of a burst's requests before it has
 routed any of them, so each ranking also reserves the request's blocks on the replica
 it puts first, until Serve routes a request there (or half a second passes): a burst
-spreads out instead of piling onto whichever replica looked emptiest.
+spreads out instead of piling onto whichever replica looked emptiest. Ties are broken
+here rather than by Serve for the same reason: Serve's queue lengths do not change
+while it ranks a burst either, so it broke every tie of a burst the same way and sent
+5 or 6 of 8 equal requests to one of 2 idle replicas (bench/serving.py, bursts).
 
 Without a snapshot (coordinator gone, replica not yet heard from, or a text prompt the
 router cannot hash) it falls back to power-of-two choices.
@@ -207,10 +210,14 @@ class KVAwareRouter(RequestRouter):
             in_flight = sum(self._in_flight.get(rid, {}).values()) + self._reserved_blocks(rid)
             keys[replica_id] = placement(request, view, self._promised_blocks(rid), in_flight).key
         ranks = group_ranks(keys)
-        if len(ranks[0]) == 1:
-            first = views[ranks[0][0]]
-            blocks = first.free_blocks - net_free_blocks(request, first, 0)[0]
-            self._reserved[ranks[0][0].unique_id].append(Debit(time.time(), blocks))
+        # The router breaks a tie itself, so that it knows which replica to reserve on:
+        # left to Serve, every request of a burst could break it the same way.
+        first_id = random.choice(ranks[0])
+        ties = [i for i in ranks[0] if i != first_id]
+        ranks = [[first_id]] + ([ties] if ties else []) + ranks[1:]
+        first = views[first_id]
+        blocks = first.free_blocks - net_free_blocks(request, first, 0)[0]
+        self._reserved[first_id.unique_id].append(Debit(time.time(), blocks))
         by_id = {r.replica_id: r for r in candidate_replicas}
         return [[by_id[i] for i in rank] for rank in ranks]
 

@@ -89,9 +89,10 @@ SEQS = [(5, 1), (40, 1), (1, 1), (0, 19), (23, 9), (0, 1), (64, 3)]
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("head_dim", "block_size"),
-    # (16, 4): generic pages; (64, 16) and (32, 32): in bf16 on AVX512-BF16 CPUs, the
-    # paired pages (D % 32 == 0, BS % 16 == 0), including the specialised shapes.
-    [(16, 4), (64, 16), (32, 32)],
+    # (16, 4): generic pages; (64, 16), (128, 16) and (32, 32): in bf16 on AVX512-BF16
+    # CPUs, the paired pages (D % 32 == 0, BS % 16 == 0), including the specialised
+    # shapes and both query-row tile sizes (4 rows up to D = 64, 2 above).
+    [(16, 4), (64, 16), (128, 16), (32, 32)],
 )
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (6, 2), (8, 1)])
 def test_paged_attention_matches_dense(dtype, head_dim, block_size, heads, kv_heads):
@@ -153,6 +154,39 @@ def test_argmax_matches_torch_including_ties(dtype):
     x[3, [10, 4000, 49000]] = 100.0  # ties resolve to the first index, as in torch
     x[4] = 0.0
     assert torch.equal(ops.argmax(x), torch.argmax(x, dim=-1))
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    vocab=st.sampled_from([1, 5, 64, 65, 1000, 49157]),
+    temperature=st.sampled_from([0.0, 0.3, 1.0, 2.0]),
+    bf16=st.booleans(),
+)
+def test_sample_draws_what_the_torch_inverse_cdf_draws(seed, vocab, temperature, bf16):
+    """The same draw picks the same token as softmax, cumsum and searchsorted, except
+    where the draw lands within float rounding of a boundary between two tokens."""
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(6, vocab, generator=g) * 4).to(torch.bfloat16 if bf16 else torch.float32)
+    draws = torch.rand(6, 1, generator=g)
+    tokens = ops.sample(logits, torch.full((6,), temperature), draws)
+    if temperature == 0:
+        assert torch.equal(tokens, logits.float().argmax(-1))
+        return
+    cdf = torch.softmax(logits.double() / temperature, dim=-1).cumsum(-1)
+    expected = torch.searchsorted(cdf, draws.double() * cdf[:, -1:], right=True)[:, 0].clamp_max(vocab - 1)
+    for row in range(6):
+        if tokens[row] != expected[row]:  # only at a boundary: the draw sits on an edge of either token
+            edges = torch.cat([torch.zeros(1, dtype=torch.double), cdf[row]])
+            near = (edges - draws[row].double()).abs().min()
+            assert near < 1e-4, (row, tokens[row].item(), expected[row].item())
+
+
+def test_sample_never_picks_a_token_without_probability():
+    logits = torch.full((4000, 100), -1e4)
+    logits[:, [3, 50, 99]] = torch.tensor([1.0, 0.0, 2.0])
+    for draws in (torch.rand(4000, 1), torch.zeros(4000, 1), torch.full((4000, 1), 1 - 2**-24)):
+        assert set(ops.sample(logits, torch.ones(4000), draws).tolist()) <= {3, 50, 99}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

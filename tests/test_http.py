@@ -255,6 +255,22 @@ def test_tokenize_detokenize_and_model_card_as_vllm_shapes_them(base_url, llm_fp
         assert response.json()["error"]["message"]
 
 
+def test_responses_name_the_replica_that_served_them(base_url):
+    import ray
+
+    from router.coordinator import coordinator_address
+
+    namespace, name = coordinator_address("http-test")
+    (replica_id,) = ray.get(ray.get_actor(name, namespace=namespace).snapshot.remote())
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+    response = httpx.post(f"{base_url}/v1/completions", json=body)
+    assert response.status_code == 200 and response.json()["choices"][0]["text"]
+    assert response.headers["x-kvserve-replica"] == replica_id
+    with httpx.stream("POST", f"{base_url}/v1/completions", json={**body, "stream": True}) as response:
+        assert response.headers["x-kvserve-replica"] == replica_id
+        assert "data: [DONE]" in list(response.iter_lines())
+
+
 def test_request_id_header_is_echoed_on_streams_too(base_url):
     body = {"model": MODEL, "prompt": "Hi", "max_tokens": 3, "stream": True}
     headers = {"x-request-id": "client-chosen-42"}

@@ -5,6 +5,7 @@ import asyncio
 import random
 import time
 
+import httpx
 import openai
 import pytest
 import ray
@@ -82,7 +83,7 @@ def test_a_cached_prefix_wins_while_it_saves_more_than_the_extra_load():
     # 5 blocks more load outweigh the 3 it saves: a shared prefix must not pile requests up.
     k = keys(prompt, {"near": view(free=45), "cached": view(free=40, cached=hashes)})
     assert k["near"] > k["cached"]
-    # Same load, no prefix anywhere: the tie is left to Serve's queue-length comparison.
+    # Same load, no prefix anywhere: a tie, which the router breaks at random.
     k = keys(prompt, {"a": view(free=45), "b": view(free=45)})
     assert k["a"] == k["b"]
 
@@ -202,6 +203,25 @@ def test_new_requests_go_to_the_replica_with_more_free_blocks(router_app):
         for stream in streams:
             stream.cancel()
     wait_for(lambda: all(s["num_free_blocks"] == NUM_BLOCKS for s in snapshot().values()))
+
+
+def test_bursts_of_equal_requests_split_evenly_over_http(router_app):
+    """8 requests with one prompt, sent at once to 2 idle replicas: 4 each, every time
+    (Serve ranks a burst before routing any of it; ties once sent 5 or 6 to one)."""
+    body = {"model": MODEL, "prompt": random_prompt(random.Random(5), 40), "max_tokens": 4, "temperature": 0}
+
+    async def burst() -> list[str]:
+        url = f"http://127.0.0.1:{SERVE_HTTP_PORT}/router-test/v1/completions"
+        async with httpx.AsyncClient(timeout=120) as client:
+            responses = await asyncio.gather(*(client.post(url, json=body) for _ in range(8)))
+        assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+        return [r.headers["x-kvserve-replica"] for r in responses]
+
+    for _ in range(3):
+        served = asyncio.run(burst())
+        assert sorted(served.count(r) for r in set(served)) == [4, 4], served
+        wait_for(lambda: all(s["num_running"] == 0 for s in snapshot().values()))
+        time.sleep(0.6)  # reservations of the burst have expired
 
 
 def test_32_concurrent_mixed_requests_across_two_replicas(router_app, llm_fp32, tokenizer):

@@ -1,7 +1,10 @@
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from replica.cpu import build
+from replica.cpu import ops as cpu_ops
 from replica.request import Request
 from replica.sampler import sample
 from replica.sampling_params import SamplingParams
@@ -21,18 +24,29 @@ def _batch(params: list[SamplingParams], outputs=None, seeds=None):
     return SamplingState(len(params), V, torch.device("cpu")).batch(requests), requests
 
 
-def _tokens(logits, batch) -> list[int]:
-    return sample(logits, batch).resolve()[0]
+def _tokens(logits, batch, temperature_sample=None) -> list[int]:
+    return sample(logits, batch, temperature_sample=temperature_sample).resolve()[0]
+
+
+# Batches that only set temperatures go through the CPU engine's fused kernel: the same
+# tests hold for it and for the torch path.
+PATHS = [pytest.param(None, id="torch")]
+if build.compiler() is not None:
+    PATHS.append(pytest.param(cpu_ops.sample, id="cpu-kernel"))
 
 
 def _logits(rows: int, seed: int = 0):
     return torch.randn(rows, V, generator=torch.Generator().manual_seed(seed))
 
 
-def test_greedy_is_argmax():
+@pytest.mark.parametrize("temperature_sample", PATHS)
+def test_greedy_is_argmax(temperature_sample):
     logits = _logits(4)
     batch, _ = _batch([SamplingParams(temperature=0)] * 4)
-    assert _tokens(logits, batch) == logits.argmax(-1).tolist()
+    assert _tokens(logits, batch, temperature_sample) == logits.argmax(-1).tolist()
+    # Greedy rows beside sampled ones still take the argmax.
+    batch, _ = _batch([SamplingParams(temperature=0), SamplingParams(temperature=1.0)] * 2)
+    assert _tokens(logits, batch, temperature_sample)[::2] == logits.argmax(-1)[::2].tolist()
 
 
 def test_top_k_1_and_tiny_top_p_are_greedy():
@@ -59,23 +73,29 @@ def test_min_p_restricts_support():
     assert set(_tokens(logits, batch)) == {7, 8}
 
 
-def test_seeded_rows_are_reproducible_whatever_the_batch():
+@pytest.mark.parametrize("temperature_sample", PATHS)
+def test_seeded_rows_are_reproducible_whatever_the_batch(temperature_sample):
     logits = _logits(1, seed=3)
     p = SamplingParams(temperature=1.0, seed=123)
     alone, _ = _batch([p], seeds={0: 123})
-    first = [_tokens(logits, alone)[0] for _ in range(5)]
+    first = [_tokens(logits, alone, temperature_sample)[0] for _ in range(5)]
     again, _ = _batch([p], seeds={0: 123})
-    second = [_tokens(logits, again)[0] for _ in range(5)]
+    second = [_tokens(logits, again, temperature_sample)[0] for _ in range(5)]
     mixed, _ = _batch([SamplingParams(temperature=1.0), p], seeds={1: 123})
-    third = [_tokens(logits.repeat(2, 1), mixed)[1] for _ in range(5)]
-    assert first == second == third
+    third = [_tokens(logits.repeat(2, 1), mixed, temperature_sample)[1] for _ in range(5)]
+    # A top-p neighbour sends the batch down the torch path; the seeded row draws the same.
+    with_top_p, _ = _batch([SamplingParams(temperature=1.0, top_p=0.5), p], seeds={1: 123})
+    fourth = [_tokens(logits.repeat(2, 1), with_top_p, temperature_sample)[1] for _ in range(5)]
+    assert first == second == third == fourth
+    assert len(set(first)) > 1
 
 
-def test_sampling_follows_the_distribution():
+@pytest.mark.parametrize("temperature_sample", PATHS)
+def test_sampling_follows_the_distribution(temperature_sample):
     probs = torch.tensor([0.6, 0.3, 0.1] + [0.0] * (V - 3))
     logits = probs.clamp_min(1e-30).log().repeat(4000, 1)
     batch, _ = _batch([SamplingParams(temperature=1.0)] * 4000)
-    tokens = torch.tensor(_tokens(logits, batch))
+    tokens = torch.tensor(_tokens(logits, batch, temperature_sample))
     freq = torch.bincount(tokens, minlength=V)[:3].float() / 4000
     assert torch.allclose(freq, probs[:3], atol=0.03)
 

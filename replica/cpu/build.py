@@ -93,6 +93,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.rms_norm.argtypes = [p, p, p, p, i64, i32, f32, i32, i32]
     lib.silu_mul.argtypes = [p, p, i64, i32, i32, i32]
     lib.argmax_rows.argtypes = [p, p, i64, i64, i32, i32]
+    lib.sample_rows.argtypes = [p, p, p, p, i64, i64, i32, i32]
     lib.paged_attention.argtypes = [
         p, p, i64, i64,  # out, q and its strides
         p, i64, i64, p, i64, i64,  # k, v and their strides
@@ -101,5 +102,5 @@ def _declare(lib: ctypes.CDLL) -> None:
         i32, p, p, p, i32,  # prefills: count, query starts, context lens, tables, table width
         i32, i32, i32, i32, f32, i32, i32,  # heads, kv heads, head dim, block size, scale, bf16, threads
     ]  # fmt: skip
-    for fn in (lib.rms_norm, lib.silu_mul, lib.argmax_rows, lib.paged_attention):
+    for fn in (lib.rms_norm, lib.silu_mul, lib.argmax_rows, lib.sample_rows, lib.paged_attention):
         fn.restype = None

@@ -61,6 +61,21 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def sample(logits: torch.Tensor, temperature: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
+    """Tokens drawn from softmax(logits / temperature) by inverse CDF, one uniform draw in
+    [0, 1) per row; argmax where the temperature is 0. logits: [B, V] fp32 or bf16."""
+    logits = logits.contiguous()
+    inv_temperature = torch.where(temperature > 0, 1.0 / temperature.clamp_min(1e-5), 0.0)
+    inv_temperature = inv_temperature.float().contiguous()
+    draws = draws.reshape(-1).float().contiguous()
+    out = torch.empty(logits.shape[0], dtype=torch.long)
+    load_library().sample_rows(
+        out.data_ptr(), logits.data_ptr(), inv_temperature.data_ptr(), draws.data_ptr(),
+        logits.shape[0], logits.shape[1], _is_bf16(logits), torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, Hkv, D]
