@@ -53,6 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     srv.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
     srv.add_argument(
+        "--cpu-cores",
+        default="auto",
+        help='CPU serving: cores to pin the replica to, e.g. "2,3" (one thread each); '
+        '"auto" (default): all but the first, with one replica; "none": no pinning',
+    )
+    srv.add_argument(
         "--max-waiting",
         type=int,
         default=64,
@@ -143,6 +149,19 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cpu_cores(spec: str, replicas: int) -> str | list[int] | None:
+    """ "auto" pins a single replica only: replicas on one node would share its cores."""
+    if spec == "none" or (spec == "auto" and replicas > 1):
+        return None
+    if spec == "auto":
+        return spec
+    try:
+        return [int(core) for core in spec.split(",")]
+    except ValueError:
+        message = f'--cpu-cores takes "auto", "none" or core numbers like "2,3", got {spec!r}'
+        raise ValueError(message) from None
+
+
 def _serve(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import ray
@@ -162,7 +181,11 @@ def _serve(args: argparse.Namespace) -> int:
             max_waiting=args.max_waiting,
             api_keys=args.api_key
             + [k.strip() for k in os.environ.get("KVSERVE_API_KEYS", "").split(",") if k.strip()],
-            engine_args={"dtype": args.dtype, "kv_cache_memory_gb": args.kv_cache_memory_gb},
+            engine_args={
+                "dtype": args.dtype,
+                "kv_cache_memory_gb": args.kv_cache_memory_gb,
+                "cpu_cores": _cpu_cores(args.cpu_cores, args.replicas),
+            },
         )
     except ValueError as e:
         print(f"kvserve: error: {e}", file=sys.stderr)

@@ -38,6 +38,11 @@ class EngineConfig:
     # Requests allowed to wait for admission; past it add_request raises QueueFullError.
     # None (offline default): unbounded, since a batch job hands over all its rows at once.
     max_waiting: int | None = None
+    # On CPU, the serving replica pins its threads to these cores and runs one torch
+    # thread per core (replica/cpu/affinity.py). "auto": every core but the first, which
+    # is left to Serve's proxy, the ingress and Ray. None: no pinning, one thread (Ray's
+    # default for an actor without CPUs). Ignored on GPUs and by the offline LLM.
+    cpu_cores: str | list[int] | None = None
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_batched_tokens", "max_num_seqs", "cuda_graph_max_batch")
@@ -58,6 +63,10 @@ class EngineConfig:
             )
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}")
+        if self.cpu_cores is not None and self.cpu_cores != "auto":
+            cores = self.cpu_cores
+            if not (isinstance(cores, list) and cores and all(isinstance(c, int) and c >= 0 for c in cores)):
+                raise ValueError(f'cpu_cores must be "auto" or a list of core numbers, got {cores!r}')
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
 

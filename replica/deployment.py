@@ -9,6 +9,7 @@ aborts its engine request, so its KV blocks are free again after the current ste
 """
 
 import asyncio
+import os
 import threading
 import time
 import uuid
@@ -16,9 +17,11 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 
 import ray
+import torch
 from ray import serve
 
 from replica.config import EngineConfig
+from replica.cpu.affinity import pin_process, resolve_cores
 from replica.engine import Engine
 from replica.engine_loop import EngineLoop
 from replica.outputs import RequestDelta
@@ -43,6 +46,9 @@ class LLMServer:
     def __init__(self, engine_args: dict | None = None, coordinator: tuple[str, str] | None = None):
         """coordinator: (namespace, name) of the named actor to push stats to."""
         self.engine = Engine(EngineConfig.from_kwargs(**(engine_args or {})))
+        cores = self.engine.config.cpu_cores
+        if cores is not None and self.engine.runner.device.type == "cpu":
+            pin_process(resolve_cores(cores))  # before the engine's thread starts
         self.engine.warm_up()  # before Serve counts the replica as ready
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._report = self._build_report()
@@ -103,6 +109,8 @@ class LLMServer:
             "num_waiting": s.num_waiting,
             "num_pending_blocks": s.num_pending_blocks,
             "num_preemptions": s.num_preemptions,
+            "cpu_affinity": sorted(os.sched_getaffinity(0)),  # the engine thread's
+            "torch_threads": torch.get_num_threads(),
         }
 
     async def stats(self) -> dict:

@@ -1,6 +1,7 @@
 """The replica deployment on a real local Ray and Serve, called through a DeploymentHandle."""
 
 import asyncio
+import os
 
 import pytest
 from ray import serve
@@ -8,7 +9,8 @@ from ray import serve
 from replica import SamplingParams
 from replica.deployment import LLMServer
 
-ENGINE_ARGS = {"dtype": "float32", "kv_cache_memory_gb": 0.25}
+# Pinned as `kvserve serve` pins its one replica: every core but the first.
+ENGINE_ARGS = {"dtype": "float32", "kv_cache_memory_gb": 0.25, "cpu_cores": "auto"}
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +31,28 @@ async def _collect(handle, prompt, params, limit=None):
             stream.cancel()
             break
     return chunks
+
+
+def test_replica_runs_on_the_cores_it_was_given(handle):
+    """The engine's own thread reports its affinity; one torch thread per core."""
+    stats = handle.stats.remote().result()
+    cores = sorted(os.sched_getaffinity(0))
+    expected = cores[1:] or cores
+    assert stats["cpu_affinity"] == expected
+    assert stats["torch_threads"] == len(expected)
+
+
+def test_cpu_cores_are_checked():
+    from replica.config import EngineConfig
+    from replica.cpu.affinity import resolve_cores
+
+    with pytest.raises(ValueError, match="cpu_cores"):
+        EngineConfig(cpu_cores=[])
+    with pytest.raises(ValueError, match="cpu_cores"):
+        EngineConfig(cpu_cores="all")
+    with pytest.raises(ValueError, match="not among"):
+        resolve_cores([max(os.sched_getaffinity(0)) + 1])
+    assert resolve_cores([0, 0]) == [0]
 
 
 def test_stream_matches_offline_greedy(handle, llm_fp32):
