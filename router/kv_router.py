@@ -113,14 +113,20 @@ class RoutedRequest:
         return self._block_hashes[block_size]
 
 
-def net_free_blocks(request: RoutedRequest, view: ReplicaView, promised_blocks: int) -> tuple[int, int]:
-    """(free blocks left once this request has all it may take, leading prompt blocks
-    already cached). Like the engine, an unset max_tokens means up to max_model_len."""
+def blocks_needed(request: RoutedRequest, view: ReplicaView) -> tuple[int, int]:
+    """(blocks the request may take on the replica, leading prompt blocks already cached
+    there). Like the engine, an unset max_tokens means up to max_model_len."""
     hits = cached_prefix_blocks(request.block_hashes(view.block_size), view)
     prompt_len = len(request.prompt)
     room = max(0, view.max_model_len - prompt_len)
     final_len = prompt_len + min(request.max_tokens or room, room)
-    need = cdiv(final_len, view.block_size) - hits
+    return cdiv(final_len, view.block_size) - hits, hits
+
+
+def net_free_blocks(request: RoutedRequest, view: ReplicaView, promised_blocks: int) -> tuple[int, int]:
+    """(free blocks left once this request has all it may take, leading prompt blocks
+    already cached)."""
+    need, hits = blocks_needed(request, view)
     return view.free_blocks - promised_blocks - need, hits
 
 
@@ -215,8 +221,7 @@ class KVAwareRouter(RequestRouter):
         first_id = random.choice(ranks[0])
         ties = [i for i in ranks[0] if i != first_id]
         ranks = [[first_id]] + ([ties] if ties else []) + ranks[1:]
-        first = views[first_id]
-        blocks = first.free_blocks - net_free_blocks(request, first, 0)[0]
+        blocks = blocks_needed(request, views[first_id])[0]
         self._reserved[first_id.unique_id].append(Debit(time.time(), blocks))
         by_id = {r.replica_id: r for r in candidate_replicas}
         return [[by_id[i] for i in rank] for rank in ranks]
@@ -234,8 +239,7 @@ class KVAwareRouter(RequestRouter):
         view = self._views.get(replica_id.unique_id)
         if request is None or view is None:
             return
-        net_free, _ = net_free_blocks(request, view, 0)
-        blocks = view.free_blocks - net_free
+        blocks = blocks_needed(request, view)[0]
         self._debits[replica_id.unique_id].append(Debit(time.time(), blocks))
         self._in_flight[replica_id.unique_id][pending_request.metadata.internal_request_id] = blocks
         reserved = self._reserved.get(replica_id.unique_id)

@@ -16,7 +16,14 @@ from deployments.app import build_app
 from kvcache import KVCacheManager, hash_full_blocks
 from replica import SamplingParams
 from router.coordinator import coordinator_address
-from router.kv_router import ReplicaView, RoutedRequest, group_ranks, net_free_blocks, placement
+from router.kv_router import (
+    ReplicaView,
+    RoutedRequest,
+    blocks_needed,
+    group_ranks,
+    net_free_blocks,
+    placement,
+)
 
 APP = "router-test"
 MODEL = "SmolLM2-135M-Instruct"
@@ -96,7 +103,7 @@ def _route_burst(views: dict[str, ReplicaView], prompts: list[list[int]]) -> lis
         request = RoutedRequest(prompt, 48)
         best = max(views, key=lambda r: placement(request, views[r], promised[r]).key)
         chosen.append(best)
-        promised[best] += views[best].free_blocks - net_free_blocks(request, views[best], 0)[0]
+        promised[best] += blocks_needed(request, views[best])[0]
     return chosen
 
 

@@ -2,10 +2,10 @@
 engine (VLLM_CPU_OMP_THREADS_BIND).
 
 On a small machine the engine shares its cores with Serve's proxy, the ingress and
-Ray's own processes. Left to float, its thread was preempted and moved between cores
-under load; pinned to a core of its own, with everything else on the first core, it
-kept its speed (`vllm bench serve` at concurrency 16 on 2 cores, one-off runs: 98-117
-output tok/s floating, 144-162 pinned)."""
+Ray's own processes, which preempted it under load. Whether a core of its own pays is
+not settled: `vllm bench serve` at concurrency 16 on 2 cores gave 98-117 output tok/s
+floating and 144-162 pinned in one stretch of time, and 110 against 107 an hour later
+(one-off runs, not committed benchmarks)."""
 
 import contextlib
 import logging
