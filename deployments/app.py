@@ -13,6 +13,7 @@ from ray.serve.config import (
 
 from deployments.autoscaling import KVPressurePolicy
 from replica.deployment import LLMServer
+from replica.llm import load_chat_template
 from replica.model_loader import BUNDLED_NAME
 from router.body_limit import DEFAULT_MAX_REQUEST_BYTES
 from router.coordinator import coordinator_address
@@ -67,6 +68,9 @@ class AppConfig(BaseModel):
     # Clients must send one of these (HTTP `Authorization: Bearer`, gRPC metadata
     # `authorization`); empty: no keys. Prefer the KVSERVE_API_KEYS variable of `kvserve serve`.
     api_keys: list[str] = Field(default_factory=list, repr=False)
+    # Instead of the model's chat template: a Jinja template, a file holding one, or
+    # the name of one that ships with kvserve ("chatml_tools": ChatML with Hermes tools).
+    chat_template: str | None = None
 
     @property
     def model_name(self) -> str:
@@ -106,6 +110,7 @@ def build_app(config: AppConfig | dict) -> Application:
         config.api_keys,
         config.max_request_bytes,
         warm_up=not can_scale_to_zero,
+        chat_template=load_chat_template(config.chat_template),  # read here: replicas may be elsewhere
     )
 
 

@@ -115,6 +115,8 @@ class Generator:
         try:
             fields = {k: v for k, v in row.items() if k in SAMPLING_FIELDS and v is not None}
             params = SamplingParams(**fields)
+            if params.n != 1:
+                return "n must be 1 in a batch row: the output has one text per row"
             if row.get("messages") is not None:
                 prompt = chat_prompt_ids(self.engine.tokenizer, list(row["messages"]))
             elif isinstance(row.get("prompt"), str):

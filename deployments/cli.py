@@ -53,6 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     srv.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
     srv.add_argument(
+        "--chat-template",
+        help="instead of the model's: a Jinja file, or a template that ships with kvserve "
+        '("chatml_tools": ChatML with Hermes tool calls, for SmolLM2)',
+    )
+    srv.add_argument(
         "--cpu-cores",
         default="auto",
         help='CPU serving: cores to pin the replica to, e.g. "2,3" (one thread each); '
@@ -179,6 +184,7 @@ def _serve(args: argparse.Namespace) -> int:
             port=args.port,
             grpc_port=args.grpc_port,
             max_waiting=args.max_waiting,
+            chat_template=args.chat_template,
             api_keys=args.api_key
             + [k.strip() for k in os.environ.get("KVSERVE_API_KEYS", "").split(",") if k.strip()],
             engine_args={

@@ -14,7 +14,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import ray
 import torch
@@ -24,7 +24,7 @@ from replica.config import EngineConfig
 from replica.cpu.affinity import pin_process, resolve_cores
 from replica.engine import Engine
 from replica.engine_loop import EngineLoop
-from replica.outputs import RequestDelta
+from replica.outputs import RequestDelta, TokenLogprob
 from replica.sampling_params import SamplingParams
 
 STATS_PUSH_INTERVAL_S = 0.1
@@ -76,20 +76,24 @@ class LLMServer:
         request_id = request_id or uuid.uuid4().hex
         stream = _Stream()
         self._streams[request_id] = stream
-        finished = False
+        unfinished = sampling.n  # samples; each item carries one sample's new output
         try:
             await self._call_engine(self.engine.add_request, prompt, sampling, request_id)
-            while not finished:
+            while unfinished:
                 await stream.ready.wait()
                 stream.ready.clear()
                 if stream.error is not None:
                     raise stream.error
                 deltas, stream.deltas = stream.deltas, []
-                finished = deltas[-1].finished
-                yield _merged(deltas, self.replica_id)
+                for index in sorted({d.index for d in deltas}):
+                    item = _merged(
+                        [d for d in deltas if d.index == index], self.replica_id, self.engine.tokenizer
+                    )
+                    unfinished -= item["finished"]
+                    yield item
         finally:
             self._streams.pop(request_id, None)
-            if not finished:
+            if unfinished:
                 # Not awaited: this also runs while the caller's task is being cancelled.
                 self._engine.call(self.engine.abort, request_id)
 
@@ -189,15 +193,17 @@ class LLMServer:
             self._report = self._build_report()
 
 
-def _merged(deltas: list[RequestDelta], replica_id: str) -> dict:
-    """Several steps' deltas of one request as one stream item."""
+def _merged(deltas: list[RequestDelta], replica_id: str, tokenizer) -> dict:
+    """Several steps' deltas of one sample of a request as one stream item. Logprob
+    entries carry their tokens' strings, so that decoding has one owner, the replica."""
     last = deltas[-1]
     logprobs = None
     if last.new_logprobs is not None:
-        logprobs = [asdict(lp) for d in deltas for lp in d.new_logprobs]
+        logprobs = [_logprob_entry(lp, tokenizer) for d in deltas for lp in d.new_logprobs]
     return {
         "request_id": last.request_id,
         "replica_id": replica_id,
+        "index": last.index,
         "text": "".join(d.new_text for d in deltas),
         "token_ids": [t for d in deltas for t in d.new_token_ids],
         "logprobs": logprobs,
@@ -206,4 +212,18 @@ def _merged(deltas: list[RequestDelta], replica_id: str) -> dict:
         "num_prompt_tokens": last.num_prompt_tokens,
         "num_output_tokens": last.num_output_tokens,
         "num_cached_tokens": last.num_cached_tokens,
+    }
+
+
+def _logprob_entry(lp: TokenLogprob, tokenizer) -> dict:
+    def token(token_id: int) -> str:
+        return tokenizer.convert_ids_to_tokens(token_id)
+
+    return {
+        "token_id": lp.token_id,
+        "token": token(lp.token_id),
+        "logprob": lp.logprob,
+        "top_logprobs": [
+            {"token_id": t, "token": token(t), "logprob": v} for t, v in lp.top_logprobs.items()
+        ],
     }

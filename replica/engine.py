@@ -3,6 +3,7 @@ detokenizer. `step()` runs one iteration of continuous batching and returns, for
 request that produced a token, only what is new (outputs.RequestDelta)."""
 
 import itertools
+import logging
 from dataclasses import dataclass, replace
 
 import torch
@@ -10,6 +11,7 @@ from transformers import AutoTokenizer
 
 from kvcache import KVCacheManager, KVStats
 from replica.config import EngineConfig
+from replica.constraints import GrammarCompiler, apply_logit_bias
 from replica.cpu import ops as cpu_ops
 from replica.detokenizer import IncrementalDetokenizer
 from replica.model_loader import resolve_model
@@ -20,6 +22,8 @@ from replica.sampler import SamplerOutput, sample, torch_argmax
 from replica.sampling_params import SamplingParams
 from replica.sampling_state import SamplingState
 from replica.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
 
 
 class QueueFullError(RuntimeError):
@@ -71,6 +75,13 @@ class Engine:
         )
         self._in_flight: _InFlight | None = None
         self._ids = itertools.count()
+        self._grammars: GrammarCompiler | None = None  # built by the first constrained request
+        self._num_edited = 0  # live requests whose logits are edited (grammar or logit_bias)
+        self._num_constrained = 0  # of which with a grammar
+        # n > 1: the caller's id -> its samples not yet finished, and the samples waiting
+        # for the first one's prefill, keyed by the first one's id.
+        self._groups: dict[str, set[str]] = {}
+        self._deferred: dict[str, list[Request]] = {}
 
     def add_request(
         self,
@@ -84,32 +95,73 @@ class Engine:
         return self._add(prompt, params or SamplingParams(), request_id)
 
     def _add(self, prompt: str | list[int], params: SamplingParams, request_id: str | None) -> str:
+        """With n > 1 the samples are requests of their own. Only the first is scheduled
+        at once; the others follow when its prefill is done, so that they find the
+        prompt's blocks in the prefix cache instead of prefilling it again."""
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenizer(prompt).input_ids
         else:
             text, token_ids = None, list(prompt)
         self._check_prompt(token_ids)
+        self._check_logit_bias(params)
         request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self._requests:
+        if request_id in self._requests or request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if params.n == 1:
+            self._admit(self._new_request(request_id, text, token_ids, params))
+            return request_id
+        samples = [
+            self._new_request(
+                f"{request_id}#{i}", text, token_ids, _sample_params(params, i), group_id=request_id, index=i
+            )
+            for i in range(params.n)
+        ]
+        self._groups[request_id] = {r.request_id for r in samples}
+        self._deferred[samples[0].request_id] = samples[1:]
+        self._admit(samples[0])
+        return request_id
+
+    def _new_request(
+        self,
+        request_id: str,
+        text: str | None,
+        token_ids: list[int],
+        params: SamplingParams,
+        group_id: str | None = None,
+        index: int = 0,
+    ) -> Request:
         room = self.max_model_len - len(token_ids)
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.runner.device)
             generator.manual_seed(params.seed)
-        request = Request(
+        matcher = None
+        if params.structured_outputs is not None:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size)
+            matcher = self._grammars.matcher(params.structured_outputs)
+        # A grammar decides where constrained output ends: stop strings would cut it short.
+        stop = params.stop if matcher is None else []
+        return Request(
             request_id=request_id,
             prompt_token_ids=token_ids,
             params=params,
             max_tokens=min(params.max_tokens or room, room),
             eos_token_ids=self.eos_token_ids,
             prompt=text,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params.stop),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, stop),
             generator=generator,
+            matcher=matcher,
+            group_id=group_id,
+            index=index,
         )
-        self._requests[request_id] = request
+
+    def _admit(self, request: Request) -> None:
+        self._requests[request.request_id] = request
         self.scheduler.add(request)
-        return request_id
+        if request.matcher is not None or request.params.logit_bias:
+            self._num_edited += 1
+            self._num_constrained += request.matcher is not None
 
     def warm_up(self, num_tokens: int = 256) -> None:
         """Run a prefill of about num_tokens over two dummy requests and a few decode
@@ -131,11 +183,14 @@ class Engine:
         self.kv.prefix_cache_queries, self.kv.prefix_cache_hits = counters
 
     def abort(self, request_id: str) -> bool:
-        request = self._requests.get(request_id)
-        if request is None:
-            return False
-        self._finish(request, FinishReason.ABORT)
-        return True
+        """request_id: the caller's; with n > 1 it aborts every sample."""
+        ids = self._groups.get(request_id) or {request_id}
+        requests = [self._requests[i] for i in list(ids) if i in self._requests]
+        for request in requests:
+            self._deferred.pop(request.request_id, None)
+            self._finish(request, FinishReason.ABORT)
+        self._groups.pop(request_id, None)
+        return bool(requests)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
@@ -145,11 +200,15 @@ class Engine:
         requests produced. With async scheduling, the step returns what the *previous*
         launch sampled: it launches its own work first and reads the previous tokens while
         the device runs it, so the device never waits for the host between steps."""
+        if self.async_scheduling and not self._num_constrained:
+            launched = self._launch()
+            previous, self._in_flight = self._in_flight, launched
+            return self._complete(previous) if previous is not None else []
+        # In step: a grammar must see a request's previous token before masking its next.
+        outputs = self._complete(self._in_flight) if self._in_flight is not None else []
+        self._in_flight = None
         launched = self._launch()
-        if not self.async_scheduling:
-            return self._complete(launched) if launched is not None else []
-        previous, self._in_flight = self._in_flight, launched
-        return self._complete(previous) if previous is not None else []
+        return outputs + (self._complete(launched) if launched is not None else [])
 
     def _launch(self) -> _InFlight | None:
         plan = self.scheduler.schedule()
@@ -181,6 +240,8 @@ class Engine:
         requests = [items[i].request for i in sample_rows]
         if not requests:
             return _InFlight([], None)
+        if self._num_edited:
+            self._edit_logits(logits, requests)
         sampled = sample(logits, self.sampling.batch(requests), self._argmax, self._temperature_sample)
         self.sampling.record(requests, sampled.token_ids)
         for row, request in enumerate(requests):  # placeholders until the tokens are read
@@ -200,6 +261,15 @@ class Engine:
             if not r.is_finished
         ]
 
+    @torch.inference_mode()  # the logits are inference tensors
+    def _edit_logits(self, logits: torch.Tensor, requests: list[Request]) -> None:
+        biased = [(row, r.params.logit_bias) for row, r in enumerate(requests) if r.params.logit_bias]
+        if biased:
+            apply_logit_bias(logits, *map(list, zip(*biased, strict=True)))
+        constrained = [(row, r.matcher) for row, r in enumerate(requests) if r.matcher is not None]
+        if constrained:
+            self._grammars.mask(logits, *map(list, zip(*constrained, strict=True)))
+
     def stats(self) -> EngineStats:
         return EngineStats(
             kv=self.kv.stats(),
@@ -218,10 +288,16 @@ class Engine:
             request.logprobs.append(logprob)
         update = request.detokenizer.add_token(token)
         new_text = update.new_text
+        if request.num_output_tokens == request.num_pending + 1:  # its first token: prefill done
+            for sample in self._deferred.pop(request.request_id, ()):
+                self._admit(sample)
 
         hit_eos = token in request.eos_token_ids and not request.params.ignore_eos
+        stop_token = token in request.params.stop_token_ids
+        if request.matcher is not None:
+            stop_token = self._advance_grammar(request, token)
         reason = None
-        if update.stopped or hit_eos or token in request.params.stop_token_ids:
+        if update.stopped or hit_eos or stop_token:
             reason = FinishReason.STOP
         elif request.num_output_tokens - request.num_pending >= request.max_tokens:
             reason = FinishReason.LENGTH
@@ -229,7 +305,7 @@ class Engine:
             new_text += request.detokenizer.flush()
             self._finish(request, reason)
         return RequestDelta(
-            request_id=request.request_id,
+            request_id=request.caller_id,
             new_token_ids=[token],
             new_text=new_text,
             new_logprobs=None if logprob is None else [logprob],
@@ -238,7 +314,16 @@ class Engine:
             num_output_tokens=request.num_output_tokens - request.num_pending,
             num_cached_tokens=request.num_cached_tokens,
             output=request.output() if reason else None,
+            index=request.index,
         )
+
+    def _advance_grammar(self, request: Request, token: int) -> bool:
+        """Feed the grammar its token; True once it is complete, which ends the request
+        (even with ignore_eos: nothing more would be allowed)."""
+        if not request.matcher.consume_token(token):
+            logger.warning("grammar rejected token %d: %s", token, request.matcher.get_error())
+            return True
+        return request.matcher.is_stopped()
 
     def _check_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
@@ -252,13 +337,33 @@ class Engine:
                 f"{self.max_model_len} tokens (including at least one generated token)"
             )
 
+    def _check_logit_bias(self, params: SamplingParams) -> None:
+        vocab = self.runner.vocab_size
+        if params.logit_bias and any(not 0 <= t < vocab for t in params.logit_bias):
+            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab})")
+
     def _finish(self, request: Request, reason: FinishReason) -> None:
         self.scheduler.finish(request, reason)
         self.sampling.remove(request.request_id)
-        self._requests.pop(request.request_id, None)
+        if self._requests.pop(request.request_id, None) is not None and (
+            request.matcher is not None or request.params.logit_bias
+        ):
+            self._num_edited -= 1
+            self._num_constrained -= request.matcher is not None
+        if request.group_id is not None:
+            unfinished = self._groups.get(request.group_id, set())
+            unfinished.discard(request.request_id)
+            if not unfinished:
+                self._groups.pop(request.group_id, None)
         if request.num_pending:  # tokens still in flight past the end: never part of the output
             del request.token_ids[len(request.token_ids) - request.num_pending :]
             request.num_pending = 0
+
+
+def _sample_params(params: SamplingParams, index: int) -> SamplingParams:
+    """One of n samples: seeded samples draw from seed + index, as in vLLM."""
+    seed = None if params.seed is None else (params.seed + index) % 2**64
+    return replace(params, n=1, seed=seed)
 
 
 def _eos_ids(generation_config, tokenizer) -> frozenset[int]:

@@ -1,12 +1,14 @@
 """Offline API: `LLM(model).generate(prompts, params)`, as in vLLM."""
 
 from collections.abc import Sequence
+from pathlib import Path
 
+import jinja2
 from tqdm.auto import tqdm
 
 from replica.config import EngineConfig
 from replica.engine import Engine
-from replica.outputs import RequestOutput
+from replica.outputs import RequestOutput, merge_samples
 from replica.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -14,8 +16,10 @@ Message = dict[str, str]
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **engine_args):
+    def __init__(self, model: str | None = None, chat_template: str | None = None, **engine_args):
+        """chat_template: instead of the model's, as in load_chat_template."""
         self.engine = Engine(EngineConfig.from_kwargs(model=model, **engine_args))
+        self.chat_template = load_chat_template(chat_template)
 
     @property
     def tokenizer(self):
@@ -44,17 +48,18 @@ class LLM:
                 self.engine.abort(request_id)
             raise
 
-        results: dict[str, RequestOutput] = {}
+        samples: dict[str, list[RequestOutput]] = {i: [] for i in request_ids}
         generated = 0
-        with tqdm(total=len(request_ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
+        total = sum(p.n for p in params)
+        with tqdm(total=total, desc="generate", unit="sample", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished():
                 for delta in self.engine.step():
                     generated += len(delta.new_token_ids)
                     if delta.finished:
-                        results[delta.request_id] = delta.output
+                        samples[delta.request_id].append(delta.output)
                         bar.update(1)
                 bar.set_postfix(tokens=generated, refresh=False)
-        return [results[i] for i in request_ids]
+        return [merge_samples(samples[i]) for i in request_ids]
 
     def chat(
         self,
@@ -67,17 +72,54 @@ class LLM:
         prompts = [self.apply_chat_template(c) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def apply_chat_template(self, messages: list[Message]) -> list[int]:
-        return chat_prompt_ids(self.tokenizer, messages)
+    def apply_chat_template(self, messages: list[Message], tools: list[dict] | None = None) -> list[int]:
+        return chat_prompt_ids(self.tokenizer, messages, tools=tools, chat_template=self.chat_template)
 
 
-def chat_prompt_ids(tokenizer, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
-    """The prompt token ids for a conversation, by default ready for the assistant's turn."""
-    if tokenizer.chat_template is None:
+TEMPLATES = Path(__file__).resolve().parent.parent / "router" / "templates"
+
+
+def load_chat_template(template: str | None) -> str | None:
+    """A Jinja template's text from: the name of one that ships with kvserve
+    (`chatml_tools`), a file's path, or the text itself."""
+    if template is None or "{" in template:
+        return template
+    bundled = TEMPLATES / f"{template}.jinja"
+    path = bundled if bundled.is_file() else Path(template)
+    if not path.is_file():
+        names = sorted(p.stem for p in TEMPLATES.glob("*.jinja"))
+        raise ValueError(f"chat template {template!r} is neither a file nor one of kvserve's: {names}")
+    return path.read_text()
+
+
+def chat_prompt_ids(
+    tokenizer,
+    messages: list[Message],
+    add_generation_prompt: bool = True,
+    tools: list[dict] | None = None,
+    chat_template: str | None = None,
+) -> list[int]:
+    """The prompt token ids for a conversation, by default ready for the assistant's turn.
+    tools: OpenAI tool definitions, for templates that render them. chat_template: a
+    Jinja template to use instead of the model's. A template that refuses the messages
+    (strict role alternation, an unknown role) raises ValueError with its reason."""
+    template = chat_template or tokenizer.chat_template
+    if template is None:
         raise ValueError("this model has no chat template; use a plain prompt")
-    text = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=add_generation_prompt, tokenize=False
-    )
+    if tools and "tools" not in template:
+        raise ValueError(
+            "this model's chat template does not render tools; serve it with a chat template that does"
+        )
+    try:
+        text = tokenizer.apply_chat_template(
+            messages,
+            tools=tools or None,
+            chat_template=template,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+        )
+    except jinja2.TemplateError as e:
+        raise ValueError(f"the chat template refused these messages: {e}") from None
     return tokenizer(text, add_special_tokens=False).input_ids
 
 

@@ -2,7 +2,7 @@
 token: only what is new, so streaming costs O(1) per token however long the answer
 gets. The whole RequestOutput is assembled once, when the request finishes."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass
@@ -14,6 +14,7 @@ class TokenLogprob:
 
 @dataclass
 class CompletionOutput:
+    index: int  # which of the request's n samples
     text: str
     token_ids: list[int]
     finish_reason: str | None  # "stop", "length" or "abort"
@@ -25,7 +26,7 @@ class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
+    outputs: list[CompletionOutput]  # one per sample (n), in index order
     num_cached_tokens: int
     finished: bool = True
 
@@ -44,7 +45,7 @@ class RequestOutput:
 
 @dataclass
 class RequestDelta:
-    request_id: str
+    request_id: str  # the caller's: with n > 1, the same for every sample
     new_token_ids: list[int]
     new_text: str
     new_logprobs: list[TokenLogprob] | None
@@ -53,7 +54,15 @@ class RequestDelta:
     num_output_tokens: int  # so far, this delta included
     num_cached_tokens: int
     output: RequestOutput | None = None  # the whole result, on the last delta only
+    index: int = 0  # which of the request's n samples
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+def merge_samples(outputs: list[RequestOutput]) -> RequestOutput:
+    """One request's n samples, each finished as a RequestOutput of its own, as one."""
+    first = min(outputs, key=lambda o: o.outputs[0].index)
+    samples = sorted((o.outputs[0] for o in outputs), key=lambda c: c.index)
+    return replace(first, outputs=samples, num_cached_tokens=min(o.num_cached_tokens for o in outputs))

@@ -3,12 +3,15 @@ the tokens it samples. All token bookkeeping follows one rule: the model must ha
 computed KV for `num_tokens - 1` tokens before the next token can be sampled.
 
 The request owns everything that lives as long as it does: its detokenizer (with the
-stop-string state) and, when seeded, its random generator."""
+stop-string state), when seeded its random generator, and when constrained its grammar
+matcher. One of n samples of a prompt is a request of its own, with its group's id
+and its index in the group."""
 
 import enum
 import time
 from dataclasses import dataclass, field
 
+import llguidance
 import torch
 
 from replica.detokenizer import IncrementalDetokenizer
@@ -52,6 +55,9 @@ class Request:
     # num_pending entries of token_ids are PENDING placeholders, filled in order.
     num_pending: int = 0
     pending_row: int = -1  # the newest placeholder's row in its launch's sampled tokens
+    matcher: llguidance.LLMatcher | None = None  # structured outputs: the grammar's state
+    group_id: str | None = None  # with n > 1: the id the caller knows; None: request_id
+    index: int = 0  # which of the group's n samples
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -78,17 +84,22 @@ class Request:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def caller_id(self) -> str:
+        return self.group_id if self.group_id is not None else self.request_id
+
+    @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
     def output(self) -> RequestOutput:
         """The whole result so far; built once, when the request finishes."""
         return RequestOutput(
-            request_id=self.request_id,
+            request_id=self.caller_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
             outputs=[
                 CompletionOutput(
+                    index=self.index,
                     text=self.detokenizer.emitted_text if self.detokenizer is not None else "",
                     token_ids=self.output_token_ids,
                     finish_reason=self.finish_reason.value if self.finish_reason else None,

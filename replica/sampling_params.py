@@ -1,8 +1,45 @@
-"""Per-request sampling settings, validated up front so bad values fail at submit time."""
+"""Per-request sampling settings, validated up front so bad values fail at submit time.
 
-from dataclasses import dataclass, field
+These checks are the only ones: the HTTP and gRPC front ends and the batch job build a
+SamplingParams from what the client sent and report its ValueError as a 400."""
+
+from dataclasses import asdict, dataclass, field
 
 MAX_LOGPROBS = 20
+MAX_TEMPERATURE = 2.0  # OpenAI's range
+MAX_N = 16  # samples per request (n, best_of)
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value
+
+
+@dataclass
+class StructuredOutputs:
+    """Exactly one constraint on the output's text, as vLLM's structured outputs:
+    a JSON schema, any JSON object, a regular expression, one of several strings, or a
+    Lark grammar (llguidance's dialect, which may embed JSON schemas with %json)."""
+
+    json: dict | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [self.json is not None, self.json_object, self.regex is not None]
+        given += [self.choice is not None, self.grammar is not None]
+        if sum(given) != 1:
+            raise ValueError(
+                "structured outputs take exactly one of json, json_object, regex, choice, grammar"
+            )
+        if self.json is not None and not isinstance(self.json, dict):
+            raise ValueError("structured outputs: json must be a JSON schema object")
+        if self.choice is not None and not (
+            self.choice and all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError("structured outputs: choice must be a non-empty list of non-empty strings")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value):
+                raise ValueError(f"structured outputs: {name} must be a non-empty string")
 
 
 @dataclass
@@ -20,8 +57,15 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    n: int = 1  # samples of the prompt, sharing its prefilled KV blocks
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):  # as sent over Ray or in a batch row
+            self.structured_outputs = StructuredOutputs(**self.structured_outputs)
+        if self.logit_bias is not None:
+            self.logit_bias = _token_keys(self.logit_bias)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -36,12 +80,12 @@ class SamplingParams:
                 raise ValueError(message)
 
         check(
-            self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
-            f"max_tokens must be a positive integer, got {self.max_tokens!r}",
+            self.max_tokens is None or (_is_int(self.max_tokens) and 1 <= self.max_tokens < 2**63),
+            f"max_tokens must be a positive 64-bit integer, got {self.max_tokens!r}",
         )
         check(
-            _is_number(self.temperature) and self.temperature >= 0,
-            f"temperature must be >= 0, got {self.temperature!r}",
+            _is_number(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE,
+            f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}",
         )
         check(
             _is_number(self.top_p) and 0 < self.top_p <= 1,
@@ -82,6 +126,25 @@ class SamplingParams:
             f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}",
         )
 
+        check(
+            _is_int(self.n) and 1 <= self.n <= MAX_N, f"n must be an integer in [1, {MAX_N}], got {self.n!r}"
+        )
+        check(
+            self.logit_bias is None
+            or all(
+                _is_number(v) and -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS for v in self.logit_bias.values()
+            ),
+            f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+        )
+        check(
+            self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputs),
+            "structured_outputs must be a StructuredOutputs or a dict of its fields",
+        )
+
+    def as_dict(self) -> dict:
+        """Plain values, for sending to a replica (which builds its own SamplingParams)."""
+        return asdict(self)
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
@@ -89,6 +152,16 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+
+def _token_keys(bias: dict) -> dict[int, float]:
+    """logit_bias keys are token ids; JSON sends them as strings."""
+    if not isinstance(bias, dict):
+        raise ValueError("logit_bias must map token ids to numbers")
+    try:
+        return {int(k): v for k, v in bias.items()}
+    except (TypeError, ValueError):
+        raise ValueError("logit_bias keys must be token ids") from None
 
 
 def _is_int(value: object) -> bool:

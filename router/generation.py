@@ -68,7 +68,7 @@ class Generation:
 async def start_generation(
     llm: DeploymentHandle, metrics: ServingMetrics, prompt: list[int], params: dict
 ) -> Generation:
-    timer = metrics.timer()
+    timer = metrics.timer(params.get("n", 1))
     attempt = 0
     while True:
         attempt += 1

@@ -1,14 +1,17 @@
 """The gRPC API (router/protos/kvserve.proto), served by Ray Serve's gRPC proxy from the
-same ingress deployment as HTTP. Requests go through the HTTP API's pydantic models,
-so both APIs accept, default and refuse exactly the same things; errors map onto gRPC
-status codes with the same messages."""
+same ingress deployment as HTTP. Requests become the HTTP API's pydantic models and go
+through the same front end (router/frontend.py), so both APIs accept, default and
+refuse exactly the same things; errors map onto gRPC status codes with the same
+messages."""
 
+import json
 from collections.abc import AsyncIterator
 
 import grpc
 from pydantic import ValidationError
 from ray.serve.grpc_util import RayServegRPCContext
 
+from router.frontend import Choice, ChoiceDelta, Choices, EngineInput
 from router.generation import APIError, Generation
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.protos import kvserve_pb2 as pb
@@ -38,7 +41,33 @@ def sampling_fields(params: pb.SamplingParams) -> dict:
     fields = {name: getattr(params, name) for name in OPTIONAL_FIELDS if params.HasField(name)}
     fields.update(stop=list(params.stop), stop_token_ids=list(params.stop_token_ids))
     fields["ignore_eos"] = params.ignore_eos
+    if params.logit_bias:
+        fields["logit_bias"] = {str(k): v for k, v in params.logit_bias.items()}
+    if params.HasField("response_format"):
+        fields.update(_response_format(params.response_format))
     return fields
+
+
+def _response_format(response_format: pb.ResponseFormat) -> dict:
+    """As the HTTP API's response_format, or vLLM's guided_* fields."""
+    kind = response_format.WhichOneof("format")
+    if kind == "json_schema":
+        try:
+            schema = json.loads(response_format.json_schema)
+        except ValueError:
+            raise APIError(400, "response_format.json_schema is not valid JSON") from None
+        return {
+            "response_format": {"type": "json_schema", "json_schema": {"name": "schema", "schema": schema}}
+        }
+    if kind == "json_object":
+        return {"response_format": {"type": "json_object"}}
+    if kind == "regex":
+        return {"guided_regex": response_format.regex}
+    if kind == "choice":
+        return {"guided_choice": list(response_format.choice.choices)}
+    if kind == "grammar":
+        return {"guided_grammar": response_format.grammar}
+    return {}
 
 
 def completion_body(request: pb.GenerateRequest) -> CompletionRequest:
@@ -53,8 +82,38 @@ def chat_body(request: pb.ChatRequest) -> ChatCompletionRequest:
     fields = sampling_fields(request.params)
     if request.params.HasField("logprobs"):
         fields.update(logprobs=True, top_logprobs=request.params.logprobs)
-    messages = [{"role": m.role, "content": m.content} for m in request.messages]
+    messages = [_message(m) for m in request.messages]
+    if request.tools:
+        fields["tools"] = [_tool(t) for t in request.tools]
+    if request.tool_choice in ("none", "auto", "required"):
+        fields["tool_choice"] = request.tool_choice
+    elif request.tool_choice:
+        fields["tool_choice"] = {"type": "function", "function": {"name": request.tool_choice}}
     return ChatCompletionRequest.model_validate({"model": request.model, "messages": messages, **fields})
+
+
+def _message(m: pb.ChatMessage) -> dict:
+    message = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        calls = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in m.tool_calls
+        ]
+        message.update(tool_calls=calls, content=m.content or None)
+    if m.tool_call_id:
+        message["tool_call_id"] = m.tool_call_id
+    if m.name:
+        message["name"] = m.name
+    return message
+
+
+def _tool(tool: pb.Tool) -> dict:
+    try:
+        parameters = json.loads(tool.parameters) if tool.parameters else None
+    except ValueError:
+        raise APIError(400, f"tool {tool.name!r}: parameters is not valid JSON") from None
+    function = {"name": tool.name, "description": tool.description or None, "parameters": parameters}
+    return {"type": "function", "function": function}
 
 
 def validation_message(e: ValidationError) -> str:
@@ -64,14 +123,13 @@ def validation_message(e: ValidationError) -> str:
 
 
 class GrpcAPI:
-    """Mixed into the ingress deployment; Serve's gRPC proxy calls these methods by
-    RPC name. Uses the ingress's `model_name`, `tokenizer`, `_check_auth`,
-    `_completion_input`, `_chat_input` and `_start`."""
+    """Mixed into the ingress deployment, whose `frontend` it uses; Serve's gRPC proxy
+    calls these methods by RPC name."""
 
     async def ListModels(self, request: pb.ListModelsRequest, grpc_context: RayServegRPCContext):
         if not self._grpc_authorized(grpc_context):
             return pb.ListModelsResponse()
-        return pb.ListModelsResponse(models=[pb.Model(id=self.model_name, owned_by="kvserve")])
+        return pb.ListModelsResponse(models=[pb.Model(id=self.frontend.model_name, owned_by="kvserve")])
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext):
         return await self._unary(request, grpc_context, chat=False)
@@ -88,42 +146,67 @@ class GrpcAPI:
             yield response
 
     async def _unary(self, request, grpc_context: RayServegRPCContext, chat: bool) -> pb.GenerateResponse:
-        generation = await self._grpc_start(request, grpc_context, chat)
-        if generation is None:
+        started = await self._grpc_start(request, grpc_context, chat)
+        if started is None:
             return pb.GenerateResponse()
+        generation, choices = started
         try:
-            chunks = [chunk async for chunk in generation.chunks()]
+            async for chunk in generation.chunks():
+                choices.add(chunk)
         except APIError as e:
             return _fail(grpc_context, e)
         finally:
             generation.cancel()
-        return self._response(generation.first, chunks)
+        result = [_choice(c) for c in choices.result()]
+        first = result[0]
+        return pb.GenerateResponse(
+            id=generation.first["request_id"],
+            model=self.frontend.model_name,
+            text=first.text,
+            token_ids=first.token_ids,
+            finish_reason=first.finish_reason,
+            logprobs=first.logprobs,
+            usage=pb.Usage(**choices.usage()),
+            tool_calls=first.tool_calls,
+            choices=result,
+        )
 
     async def _stream(self, request, grpc_context: RayServegRPCContext, chat: bool) -> AsyncIterator:
         # A stream that merely ends ends with OK, whatever the context says; raising
         # after setting the code is what makes Serve's proxy send the status.
-        generation = await self._grpc_start(request, grpc_context, chat)
-        if generation is None:
+        started = await self._grpc_start(request, grpc_context, chat)
+        if started is None:
             raise StreamError(grpc_context.details())
+        generation, choices = started
+        unfinished = len(choices.samples)
         try:
             async for chunk in generation.chunks():
-                yield self._response(generation.first, [chunk])
+                delta = choices.add(chunk)
+                unfinished -= chunk["finished"]
+                response = self._delta_response(generation.first["request_id"], delta)
+                if not unfinished:
+                    response.usage.CopyFrom(pb.Usage(**choices.usage()))
+                yield response
         except APIError as e:
             _fail(grpc_context, e)
             raise StreamError(e.message) from None
         finally:  # also when the client cancels: the replica aborts the request
             generation.cancel()
 
-    async def _grpc_start(self, request, grpc_context: RayServegRPCContext, chat: bool) -> Generation | None:
+    async def _grpc_start(
+        self, request, grpc_context: RayServegRPCContext, chat: bool
+    ) -> tuple[Generation, Choices] | None:
         """The started generation, or None with the error status set on the context."""
         if not self._grpc_authorized(grpc_context):
             return None
+        frontend = self.frontend
         try:
+            engine_input: EngineInput
             if chat:
-                prompt, params = await self._chat_input(chat_body(request))
+                engine_input = await frontend.chat_input(chat_body(request))
             else:
-                prompt, params = await self._completion_input(completion_body(request))
-            return await self._start(prompt, params)
+                engine_input = await frontend.completion_input(completion_body(request))
+            return await frontend.start(engine_input), Choices(engine_input)
         except ValidationError as e:
             _fail(grpc_context, APIError(400, validation_message(e)))
         except APIError as e:
@@ -133,41 +216,46 @@ class GrpcAPI:
     def _grpc_authorized(self, grpc_context: RayServegRPCContext) -> bool:
         metadata = dict(grpc_context.invocation_metadata())
         try:
-            self._check_auth(metadata.get("authorization"))
+            self.frontend.check_auth(metadata.get("authorization"))
         except APIError as e:
             _fail(grpc_context, e)
             return False
         return True
 
-    def _response(self, first: dict, chunks: list[dict]) -> pb.GenerateResponse:
-        last = chunks[-1]
-        response = pb.GenerateResponse(
-            id=first["request_id"],
-            model=self.model_name,
-            text="".join(c["text"] for c in chunks),
-            token_ids=[t for c in chunks for t in c["token_ids"]],
-            finish_reason=last["finish_reason"] or "",
+    def _delta_response(self, request_id: str, delta: ChoiceDelta) -> pb.GenerateResponse:
+        return pb.GenerateResponse(
+            id=request_id,
+            model=self.frontend.model_name,
+            text=delta.text,
+            token_ids=delta.token_ids,
+            finish_reason=delta.finish_reason or "",
+            logprobs=_logprobs(delta.logprobs),
+            index=delta.index,
+            tool_calls=[pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in delta.calls],
         )
-        tokens = self.tokenizer.convert_ids_to_tokens
-        for c in chunks:
-            for entry in c["logprobs"] or ():
-                response.logprobs.append(
-                    pb.TokenLogprob(
-                        token_id=entry["token_id"],
-                        token=tokens(entry["token_id"]),
-                        logprob=entry["logprob"],
-                        top_logprobs=[
-                            pb.TopLogprob(token=tokens(t), logprob=v)
-                            for t, v in entry["top_logprobs"].items()
-                        ],
-                    )
-                )
-        if last["finished"]:
-            prompt, completion = last["num_prompt_tokens"], last["num_output_tokens"]
-            response.usage.CopyFrom(
-                pb.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
-            )
-        return response
+
+
+def _choice(choice: Choice) -> pb.Choice:
+    return pb.Choice(
+        index=choice.index,
+        text=choice.text,
+        token_ids=choice.token_ids,
+        finish_reason=choice.finish_reason or "",
+        logprobs=_logprobs(choice.logprobs),
+        tool_calls=[pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in choice.calls],
+    )
+
+
+def _logprobs(entries: list[dict] | None) -> list[pb.TokenLogprob]:
+    return [
+        pb.TokenLogprob(
+            token_id=e["token_id"],
+            token=e["token"],
+            logprob=e["logprob"],
+            top_logprobs=[pb.TopLogprob(token=t["token"], logprob=t["logprob"]) for t in e["top_logprobs"]],
+        )
+        for e in entries or ()
+    ]
 
 
 class StreamError(Exception):

@@ -74,17 +74,19 @@ class ServingMetrics:
             c.add_metric([self.model_name], sum(s[key] for s in stats))
             yield c
 
-    def timer(self) -> "RequestTimer":
-        return RequestTimer(self)
+    def timer(self, samples: int = 1) -> "RequestTimer":
+        return RequestTimer(self, samples)
 
 
 class RequestTimer:
-    """Follows one request's chunks and records its latencies and tokens once it ends."""
+    """Follows one request's chunks (of its n samples) and records its latencies and
+    tokens; the prompt counts once, and the request ends with its last sample."""
 
-    def __init__(self, metrics: ServingMetrics):
+    def __init__(self, metrics: ServingMetrics, samples: int = 1):
         self.metrics = metrics
         self.start = self.last = time.perf_counter()
         self.first = True
+        self.unfinished = samples
 
     def on_chunk(self, chunk: dict) -> None:
         now = time.perf_counter()
@@ -96,8 +98,11 @@ class RequestTimer:
             self.metrics.itl.labels(label).observe((now - self.last) / len(chunk["token_ids"]))
         self.last = now
         if chunk["finished"]:
-            self.metrics.e2e.labels(label).observe(now - self.start)
-            self.metrics.prompt_tokens.labels(label).inc(
-                chunk["num_prompt_tokens"] - chunk["num_cached_tokens"]
-            )
+            self.unfinished -= 1
             self.metrics.generation_tokens.labels(label).inc(chunk["num_output_tokens"])
+            if chunk["index"] == 0:
+                self.metrics.prompt_tokens.labels(label).inc(
+                    chunk["num_prompt_tokens"] - chunk["num_cached_tokens"]
+                )
+            if not self.unfinished:
+                self.metrics.e2e.labels(label).observe(now - self.start)

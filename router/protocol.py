@@ -1,73 +1,220 @@
-"""OpenAI request schemas (pydantic) and their mapping onto engine sampling params."""
+"""OpenAI request schemas (pydantic), as the SDKs and agent frameworks send them.
 
-from typing import Annotated, Literal
+These models only check shapes. An explicit null means "the default", as in OpenAI's
+API. Value limits (temperature, top_p, n, ...) live in one place, SamplingParams, which
+the front end (router/frontend.py) builds from `sampling_fields()` for HTTP and gRPC."""
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 TokenId = Annotated[int, Field(ge=0)]
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: bool | None = False
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self) -> "ContentPart":
+        if self.type != "text" or self.text is None:
+            raise ValueError(f"only text content parts are supported, got type {self.type!r}")
+        return self
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = None  # tool turns: the call they answer
+
+    @model_validator(mode="after")
+    def _has_content(self) -> "ChatMessage":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content may be null only on an assistant turn with tool_calls")
+        return self
+
+    def template_message(self) -> dict:
+        """The message as chat templates read it: content as one string, tool calls
+        with their arguments as objects (Hermes, Qwen and Llama templates use them so)."""
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": _json_or_text(call.function.arguments),
+                    },
+                }
+                for call in self.tool_calls
+            ]
+        return message
+
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedToolChoice(BaseModel):
+    class Function(BaseModel):
+        name: str
+
+    type: Literal["function"]
+    function: Function
+
+
+class JsonSchemaFormat(BaseModel):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError("response_format of type json_schema needs json_schema.schema")
+        return self
 
 
 class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0, le=2)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    n: int = Field(default=1, ge=1, le=1, description="only n=1 is supported")
-    stream: bool = False
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # accepted, as OpenAI's; not used
     # Beyond OpenAI, as in vLLM:
-    top_k: int = Field(default=0, ge=-1)
-    min_p: float = Field(default=0.0, ge=0, le=1)
-    repetition_penalty: float = Field(default=1.0, gt=0, le=2)
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     stop_token_ids: list[TokenId] | None = None
-    ignore_eos: bool = False
+    ignore_eos: bool | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> dict:
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return {
-            "max_tokens": max_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "min_p": self.min_p,
-            "seed": self.seed,
-            "stop": stop,
-            "stop_token_ids": list(self.stop_token_ids or []),
-            "ignore_eos": self.ignore_eos,
-            "logprobs": logprobs,
-            "presence_penalty": self.presence_penalty,
-            "frequency_penalty": self.frequency_penalty,
-            "repetition_penalty": self.repetition_penalty,
+    def sampling_fields(self) -> dict:
+        """The SamplingParams fields the client set (nulls left out), except max_tokens,
+        logprobs and structured outputs, which depend on the endpoint."""
+        fields = {
+            name: getattr(self, name)
+            for name in (
+                "temperature",
+                "top_p",
+                "top_k",
+                "min_p",
+                "seed",
+                "presence_penalty",
+                "frequency_penalty",
+                "repetition_penalty",
+                "stop_token_ids",
+                "ignore_eos",
+                "logit_bias",
+                "stop",
+            )
+            if getattr(self, name) is not None
         }
+        if self.n is not None:
+            fields["n"] = self.n
+        return fields
+
+    def guided(self) -> dict | None:
+        """vLLM's guided_* extensions, as StructuredOutputs fields."""
+        given = {
+            "json": self.guided_json,
+            "regex": self.guided_regex,
+            "choice": self.guided_choice,
+            "grammar": self.guided_grammar,
+        }
+        given = {k: v for k, v in given.items() if v is not None}
+        if len(given) > 1:
+            raise ValueError("give at most one of guided_json, guided_regex, guided_choice, guided_grammar")
+        if isinstance(given.get("json"), str):
+            given["json"] = _json_or_text(given["json"])
+        return given or None
+
+    @property
+    def streaming(self) -> bool:
+        return bool(self.stream)
 
 
 class CompletionRequest(_SamplingFields):
     prompt: Annotated[str, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
-    max_tokens: int | None = Field(default=16, ge=1)
-    logprobs: int | None = Field(default=None, ge=0, le=20)
-    echo: Literal[False] = False
-
-
-class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    logprobs: int | None = None
+    echo: bool | None = False
+    best_of: int | None = None
+    response_format: ResponseFormat | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # accepted; several calls are always allowed
+
+    @field_validator("tools")
+    @classmethod
+    def _unique_tool_names(cls, tools: list[Tool] | None) -> list[Tool] | None:
+        names = [t.function.name for t in tools or ()]
+        if len(set(names)) != len(names):
+            raise ValueError("tool names must be unique")
+        return tools
 
     @property
     def num_logprobs(self) -> int | None:
@@ -110,3 +257,10 @@ class ErrorResponse(BaseModel):
     """OpenAI's error body, which every 4xx and 5xx answer carries."""
 
     error: ErrorDetail
+
+
+def _json_or_text(text: str):
+    try:
+        return json.loads(text)
+    except (TypeError, ValueError):
+        return text
