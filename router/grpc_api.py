@@ -13,7 +13,7 @@ from ray.serve.grpc_util import RayServegRPCContext
 
 from router.frontend import Choice, ChoiceDelta, Choices, EngineInput
 from router.generation import APIError, Generation
-from router.protocol import ChatCompletionRequest, CompletionRequest
+from router.protocol import ChatCompletionRequest, CompletionRequest, main_error
 from router.protos import kvserve_pb2 as pb
 
 STATUS_CODES = {
@@ -117,7 +117,7 @@ def _tool(tool: pb.Tool) -> dict:
 
 
 def validation_message(e: ValidationError) -> str:
-    first = e.errors()[0]
+    first = main_error(e.errors())
     where = ".".join(str(p) for p in first.get("loc", ())) or "request"
     return f"{where}: {first.get('msg', 'invalid value')}"
 

@@ -32,6 +32,7 @@ from router.protocol import (
     DetokenizeRequest,
     ErrorResponse,
     TokenizeRequest,
+    main_error,
 )
 
 logger = logging.getLogger("ray.serve")
@@ -85,7 +86,7 @@ async def _api_error(request: Request, e: APIError):
 @app.exception_handler(RequestValidationError)
 async def _validation_error(request: Request, e: RequestValidationError):
     # OpenAI answers 400 (not FastAPI's 422) for malformed bodies and bad values.
-    first = e.errors()[0] if e.errors() else {}
+    first = main_error(list(e.errors()))
     if first.get("type") == "json_invalid":
         return error_response(400, f"body is not valid JSON: {first.get('ctx', {}).get('error', '')}")
     where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None

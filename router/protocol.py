@@ -259,6 +259,14 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+def main_error(errors: list[dict]) -> dict:
+    """The error to report among pydantic's: our own checks' messages ("only text
+    content parts are supported") say more than a union's other branches ("Input
+    should be a valid string")."""
+    ours = [e for e in errors if e.get("type") == "value_error"]
+    return (ours or errors or [{}])[0]
+
+
 def _json_or_text(text: str):
     try:
         return json.loads(text)

@@ -92,17 +92,18 @@ def _partial_tag_length(text: str) -> int:
 def required_grammar(tools: list[dict], name: str | None = None, parallel: bool = False) -> str:
     """A Lark grammar (llguidance's dialect) for a call of one of the given tools, or
     of the named one only, or with `parallel` for one or more calls; each call's
-    arguments follow the tool's JSON schema. One call by default: small models given
-    the choice repeat a call until max_tokens cuts it in half."""
+    arguments follow the tool's JSON schema, and name only the parameters it declares
+    (as OpenAI's strict mode asks). One call by default: small models given the choice
+    repeat a call, or invent parameters, until max_tokens cuts it in half."""
     chosen = [t for t in tools if name is None or t["name"] == name]
     alternatives = []
     for tool in chosen:
+        parameters = dict(tool.get("parameters") or {"type": "object", "properties": {}})
+        if parameters.get("type") == "object":
+            parameters.setdefault("additionalProperties", False)
         schema = {
             "type": "object",
-            "properties": {
-                "name": {"const": tool["name"]},
-                "arguments": tool.get("parameters") or {"type": "object"},
-            },
+            "properties": {"name": {"const": tool["name"]}, "arguments": parameters},
             "required": ["name", "arguments"],
             "additionalProperties": False,
             "x-guidance": {"whitespace_flexible": False},
