@@ -22,9 +22,8 @@ class GrammarCompiler:
     """Turns StructuredOutputs into matchers for one tokenizer. A grammar is checked and
     compiled once; requests with the same one get copies of the cached matcher."""
 
-    def __init__(self, tokenizer, vocab_size: int):
+    def __init__(self, tokenizer):
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer)
-        self.vocab_size = vocab_size  # the model's, which may exceed the tokenizer's
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
 
     def matcher(self, spec: StructuredOutputs) -> llguidance.LLMatcher:
@@ -42,7 +41,8 @@ class GrammarCompiler:
         return template.deep_copy()
 
     def mask(self, logits: torch.Tensor, rows: list[int], matchers: list[llguidance.LLMatcher]) -> None:
-        """Keep only the allowed tokens in logits[rows] (in place)."""
+        """Keep only the allowed tokens in logits[rows] (in place); ids past the
+        tokenizer's vocabulary (a model's padding rows) are never allowed."""
         bitmask = llguidance.torch.allocate_token_bitmask(len(rows), self.tokenizer.vocab_size)
         for i, matcher in enumerate(matchers):
             llguidance.torch.fill_next_token_bitmask(matcher, bitmask, i)

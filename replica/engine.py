@@ -138,7 +138,7 @@ class Engine:
         matcher = None
         if params.structured_outputs is not None:
             if self._grammars is None:
-                self._grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size)
+                self._grammars = GrammarCompiler(self.tokenizer)
             matcher = self._grammars.matcher(params.structured_outputs)
         # A grammar decides where constrained output ends: stop strings would cut it short.
         stop = params.stop if matcher is None else []

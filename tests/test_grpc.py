@@ -1,6 +1,7 @@
 """The gRPC API through Ray Serve's own gRPC proxy, called with real generated stubs."""
 
 import concurrent.futures
+import json
 import time
 
 import grpc
@@ -27,7 +28,7 @@ def deploy(name: str, **config) -> None:
 
 @pytest.fixture(scope="module")
 def stub(ray_cluster, model_path):
-    deploy(APP, model=str(model_path))
+    deploy(APP, model=str(model_path), chat_template="chatml_tools")
     channel = grpc.insecure_channel(f"127.0.0.1:{SERVE_GRPC_PORT}")
     yield pb_grpc.LLMStub(channel)
     channel.close()
@@ -76,6 +77,89 @@ def test_chat_unary_and_stream(stub):
     streamed = "".join(p.text for p in stub.ChatStream(request, metadata=meta()))
     assert unary.text and streamed == unary.text  # same seed, same text
     assert "\n" not in unary.text
+
+
+def test_n_samples_response_format_and_tools(stub):
+    request = pb.GenerateRequest(
+        model=MODEL, prompt=PROMPT, params=pb.SamplingParams(max_tokens=5, n=3, seed=1, ignore_eos=True)
+    )
+    unary = stub.Generate(request, metadata=meta())
+    assert [c.index for c in unary.choices] == [0, 1, 2] and unary.text == unary.choices[0].text
+    assert unary.usage.completion_tokens == 15
+    pieces = list(stub.GenerateStream(request, metadata=meta()))
+    assert {p.index for p in pieces} == {0, 1, 2}
+    assert sum(1 for p in pieces if p.finish_reason) == 3 and pieces[-1].usage.completion_tokens == 15
+
+    schema = {
+        "type": "object",
+        "properties": {"fruit": {"type": "string", "maxLength": 15}, "ripe": {"type": "boolean"}},
+        "required": ["fruit", "ripe"],
+        "additionalProperties": False,
+    }
+    constrained = pb.SamplingParams(
+        max_tokens=60, seed=2, response_format=pb.ResponseFormat(json_schema=json.dumps(schema))
+    )
+    chat = pb.ChatRequest(
+        model=MODEL, messages=[pb.ChatMessage(role="user", content="A fruit as JSON.")], params=constrained
+    )
+    answer = json.loads(stub.Chat(chat, metadata=meta()).text)
+    assert set(answer) == {"fruit", "ripe"} and isinstance(answer["ripe"], bool)
+    choice = pb.SamplingParams(
+        max_tokens=5, response_format=pb.ResponseFormat(choice=pb.ChoiceList(choices=["a", "b"]))
+    )
+    assert (
+        stub.Generate(pb.GenerateRequest(model=MODEL, prompt=PROMPT, params=choice), metadata=meta()).text
+        in "ab"
+    )
+
+    tool = pb.Tool(
+        name="add",
+        description="Add two integers",
+        parameters=json.dumps(
+            {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
+        ),
+    )
+    ask = pb.ChatRequest(
+        model=MODEL,
+        messages=[pb.ChatMessage(role="user", content="What is 2 + 3?")],
+        params=pb.SamplingParams(max_tokens=60, temperature=0),
+        tools=[tool],
+        tool_choice="add",
+    )
+    called = stub.Chat(ask, metadata=meta())
+    assert called.finish_reason == "tool_calls" and [c.name for c in called.tool_calls] == ["add"]
+    assert set(json.loads(called.tool_calls[0].arguments)) <= {"a", "b"}
+    streamed = [c for p in stub.ChatStream(ask, metadata=meta()) for c in p.tool_calls]
+    assert [c.name for c in streamed] == ["add"]
+
+    bad = pb.SamplingParams(response_format=pb.ResponseFormat(json_schema="{not json"))
+    expect_status(
+        lambda: stub.Generate(pb.GenerateRequest(model=MODEL, prompt=PROMPT, params=bad), metadata=meta()),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "json_schema",
+    )
+    unknown_tool = pb.ChatRequest(model=MODEL, messages=ask.messages, tools=[tool], tool_choice="mul")
+    expect_status(lambda: stub.Chat(unknown_tool, metadata=meta()), grpc.StatusCode.INVALID_ARGUMENT, "mul")
+
+
+def test_server_reflection_describes_the_service(stub):
+    """Serve's gRPC proxy answers reflection, so grpcurl needs no .proto file."""
+    from google.protobuf.descriptor_pool import DescriptorPool
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    with grpc.insecure_channel(f"127.0.0.1:{SERVE_GRPC_PORT}") as channel:
+        database = ProtoReflectionDescriptorDatabase(channel)
+        assert "kvserve.LLM" in database.get_services()
+        service = DescriptorPool(database).FindServiceByName("kvserve.LLM")
+        assert {m.name for m in service.methods} >= {
+            "Generate",
+            "GenerateStream",
+            "Chat",
+            "ChatStream",
+            "ListModels",
+        }
+        request = service.methods_by_name["Chat"].input_type
+        assert {"messages", "params", "tools", "tool_choice"} <= set(request.fields_by_name)
 
 
 def expect_status(call, code: grpc.StatusCode, fragment: str) -> None:

@@ -151,6 +151,15 @@ def test_stop_max_tokens_seed_logprobs(client):
             {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"},
             400,
         ),
+        (  # SmolLM2's own chat template renders no tools
+            "/v1/chat/completions",
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "hi"}],
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+            },
+            400,
+        ),
         ("/v1/completions", {"model": MODEL, "prompt": ""}, 400),
         ("/v1/completions", {"model": MODEL, "prompt": "word " * 9000}, 400),
         ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400),
