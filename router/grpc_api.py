@@ -33,6 +33,7 @@ OPTIONAL_FIELDS = (
     "presence_penalty",
     "frequency_penalty",
     "repetition_penalty",
+    "n",
 )
 
 
