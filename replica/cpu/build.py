@@ -23,6 +23,7 @@ SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = [
     "-O3",
     "-march=native",
+    "-mprefer-vector-width=512",
     "-fopenmp",
     "-fPIC",
     "-shared",
@@ -94,13 +95,14 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.silu_mul.argtypes = [p, p, i64, i32, i32, i32]
     lib.argmax_rows.argtypes = [p, p, i64, i64, i32, i32]
     lib.sample_rows.argtypes = [p, p, p, p, i64, i64, i32, i32]
+    lib.rotary_embed.argtypes = [p, p, i64, i64, p, p, i64, i32, i32, i32, i32]
     lib.paged_attention.argtypes = [
         p, p, i64, i64,  # out, q and its strides
         p, i64, i64, p, i64, i64,  # k, v and their strides
         p, p, p, p, p, i64,  # cos, sin, k_cache, v_cache, slots, num_tokens
         i32, p, i32, p,  # decodes: count, tables, table width, context lens
-        i32, p, p, p, i32,  # prefills: count, query starts, context lens, tables, table width
+        i32, p, p, p, p, i32,  # prefills: count, query starts and ends, context lens, tables, table width
         i32, i32, i32, i32, f32, i32, i32,  # heads, kv heads, head dim, block size, scale, bf16, threads
     ]  # fmt: skip
-    for fn in (lib.rms_norm, lib.silu_mul, lib.argmax_rows, lib.sample_rows, lib.paged_attention):
-        fn.restype = None
+    for name in ("rms_norm", "silu_mul", "argmax_rows", "sample_rows", "rotary_embed", "paged_attention"):
+        getattr(lib, name).restype = None

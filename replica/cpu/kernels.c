@@ -254,6 +254,27 @@ static inline void rotate(float* restrict x, const float* restrict cos, const fl
     memcpy(x, tmp, sizeof(float) * (size_t)D);
 }
 
+/* out = x rotated by the rotary embedding (as `rotate` rounds it), for rows of any
+ * strides; out: contiguous [rows, heads, D]; cos/sin: contiguous [rows, D]. */
+void rotary_embed(void* out, const void* x, int64_t stride_t, int64_t stride_h, const void* cos, const void* sin,
+                  int64_t rows, int heads, int D, int is_bf16, int num_threads) {
+#pragma omp parallel num_threads(num_threads) if (rows >= 16)
+    {
+        float* buf = (float*)malloc(sizeof(float) * 4 * (size_t)D);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < rows; t++) {
+            load_row(buf + D, cos, t * D, D, is_bf16);
+            load_row(buf + 2 * D, sin, t * D, D, is_bf16);
+            for (int h = 0; h < heads; h++) {
+                load_row(buf, x, t * stride_t + h * stride_h, D, is_bf16);
+                rotate(buf, buf + D, buf + 2 * D, buf + 3 * D, D, is_bf16);
+                store_row(out, (t * heads + h) * D, buf, D, is_bf16);
+            }
+        }
+        free(buf);
+    }
+}
+
 /* ------------------------------------------------------------------------------------ */
 /* Paged attention. A layer's cache is a pair of [num_blocks, Hkv, ...] tensors: one page
  * per (block, KV head), laid out for the kernel that reads it.
@@ -464,6 +485,25 @@ static inline void prefetch_pages(const Layer* L, const WorkItem* it) {
 }
 
 #if defined(__AVX512BF16__)
+/* exp_clamped on 16 lanes. */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f),
+                                      _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x));
+    __m512 p = _mm512_set1_ps(1.98412698e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.38888889e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.33333333e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.16666667e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.66666667e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    const __m512i scale = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(scale));
+}
+
 /* Paired bf16 pages. Queries are the rotated bf16 values transformers would use (scores
  * are scaled after the products); probabilities are rounded to bf16 for the weighted
  * sum, as a bf16 matmul of them would be.
@@ -501,21 +541,37 @@ static inline __attribute__((always_inline)) void attend_rows(const Layer* L, co
             }
         }
     }
+    /* The online softmax in registers (what softmax_update does, a block at a time). */
     float correction[R];
     for (int t = 0; t < R; t++) {
         correction[t] = 1.0f;
+        __m512 p[BS / 16];
+        __mmask16 valid[BS / 16];
+        float block_max = -INFINITY;
+        for (int c = 0; c < BS / 16; c++) {
+            const int left = n[t] - c * 16;
+            valid[c] = left >= 16 ? (__mmask16)0xffff : (left <= 0 ? 0 : (__mmask16)((1u << left) - 1));
+            p[c] = _mm512_mul_ps(_mm512_add_ps(s[t][0][c], s[t][1][c]), _mm512_set1_ps(L->scale));
+            if (valid[c]) {
+                const float m = _mm512_mask_reduce_max_ps(valid[c], p[c]);
+                block_max = m > block_max ? m : block_max;
+            }
+        }
         if (n[t] > 0) {
-            float scores[BS];
-            for (int c = 0; c < BS / 16; c++)
-                _mm512_storeu_ps(scores + c * 16,
-                                 _mm512_mul_ps(_mm512_add_ps(s[t][0][c], s[t][1][c]), _mm512_set1_ps(L->scale)));
-            correction[t] = softmax_update(w, i0 + t, scores, n[t], BS);
-        } else {
-            memset(w->p, 0, sizeof(float) * (size_t)BS);
+            const int i = i0 + t;
+            const float m_new = block_max > w->m[i] ? block_max : w->m[i];
+            __m512 sum = _mm512_setzero_ps();
+            for (int c = 0; c < BS / 16; c++) {
+                p[c] = _mm512_maskz_mov_ps(valid[c], exp512(_mm512_sub_ps(p[c], _mm512_set1_ps(m_new))));
+                sum = _mm512_add_ps(sum, p[c]);
+            }
+            correction[t] = w->m[i] == m_new ? 1.0f : exp_clamped(w->m[i] - m_new);
+            w->l[i] = w->l[i] * correction[t] + _mm512_reduce_add_ps(sum);
+            w->m[i] = m_new;
         }
         for (int c = 0; c < BS / 16; c++)
             _mm256_storeu_si256((__m256i*)(p16 + t * BS + c * 16),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(w->p + c * 16)));
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_mov_ps(valid[c], p[c])));
     }
     /* Keys n[t]..n_max-1 of a shorter row have probability 0 and are written memory. */
     __m512 a[R][D / 16];
@@ -596,7 +652,7 @@ static void attend(const Layer* L, const WorkItem* it, const Scratch* w) {
 static void write_kv(const Layer* L, const void* k, int64_t k_stride_t, int64_t k_stride_h, const void* v,
                      int64_t v_stride_t, int64_t v_stride_h, const int64_t* slots, int64_t num_tokens,
                      int num_threads) {
-    const int D = L->head_dim, BS = L->block_size, Hkv = L->num_kv_heads;
+    const int D = L->head_dim, BS = L->block_size, Hkv = L->num_kv_heads, paired = paired_pages(L);
 #pragma omp parallel num_threads(num_threads) if (num_tokens >= 16)
     {
         float* buf = (float*)malloc(sizeof(float) * 4 * (size_t)D);
@@ -614,16 +670,23 @@ static void write_kv(const Layer* L, const void* k, int64_t k_stride_t, int64_t 
                 const int64_t page = (block * Hkv + h) * BS * D;
                 load_row(buf, k, t * k_stride_t + h * k_stride_h, D, L->is_bf16);
                 if (L->cos != NULL) rotate(buf, buf + D, buf + 2 * D, buf + 3 * D, D, L->is_bf16);
-                for (int d = 0; d < D; d++) {
-                    if (L->is_bf16) ((bf16*)L->k_cache)[page + k_offset(L, j, d)] = float_to_bf16(buf[d]);
-                    else ((float*)L->k_cache)[page + k_offset(L, j, d)] = buf[d];
+                if (paired) { /* key j's dimension pairs are 32-bit words BS apart */
+                    uint32_t* kpairs = (uint32_t*)((bf16*)L->k_cache + page) + j;
+                    for (int d2 = 0; d2 < D / 2; d2++)
+                        kpairs[(int64_t)d2 * BS] = bf16_bits(buf[2 * d2]) | bf16_bits(buf[2 * d2 + 1]) << 16;
+                } else {
+                    for (int d = 0; d < D; d++) {
+                        if (L->is_bf16) ((bf16*)L->k_cache)[page + k_offset(L, j, d)] = float_to_bf16(buf[d]);
+                        else ((float*)L->k_cache)[page + k_offset(L, j, d)] = buf[d];
+                    }
                 }
                 load_row(buf, v, t * v_stride_t + h * v_stride_h, D, L->is_bf16);
-                if (!paired_pages(L)) {
+                if (!paired) {
                     store_row(L->v_cache, page + (int64_t)j * D, buf, D, L->is_bf16);
                     continue;
                 }
-                for (int d = 0; d < D; d++) ((bf16*)L->v_cache)[page + v_offset(L, j, d)] = float_to_bf16(buf[d]);
+                bf16* vrow = (bf16*)L->v_cache + page + v_offset(L, j, 0); /* then every other element */
+                for (int d = 0; d < D; d++) vrow[2 * d] = float_to_bf16(buf[d]);
             }
         }
         free(buf);
@@ -636,14 +699,16 @@ static void write_kv(const Layer* L, const void* k, int64_t k_stride_t, int64_t 
  *   cos/sin: [T, D] or NULL; out: contiguous [T, H, D]
  *   decode rows 0..num_decodes-1: one query token each, at the end of a context of
  *     decode_lens[i] tokens, block table row i of decode_tables [num_decodes, decode_width]
- *   prefill chunk p: rows prefill_starts[p]..prefill_starts[p+1]-1, the last rows of a
- *     context of prefill_lens[p] tokens, block table row p of prefill_tables */
+ *   prefill chunk p: rows prefill_starts[p]..prefill_ends[p]-1, the last rows of a
+ *     context of prefill_lens[p] tokens, block table row p of prefill_tables
+ * Rows of no decode and no chunk get their KV written but are not attended (ops.py
+ * attends fresh prefills, which need no cache, with torch's SDPA). */
 void paged_attention(void* out, const void* q, int64_t q_stride_t, int64_t q_stride_h, const void* k,
                      int64_t k_stride_t, int64_t k_stride_h, const void* v, int64_t v_stride_t, int64_t v_stride_h,
                      const void* cos, const void* sin, void* k_cache, void* v_cache, const int64_t* slots,
                      int64_t num_tokens, int num_decodes, const int32_t* decode_tables, int decode_width,
                      const int32_t* decode_lens, int num_prefills, const int32_t* prefill_starts,
-                     const int32_t* prefill_lens, const int32_t* prefill_tables, int prefill_width, int num_heads,
+                     const int32_t* prefill_ends, const int32_t* prefill_lens, const int32_t* prefill_tables, int prefill_width, int num_heads,
                      int num_kv_heads, int head_dim, int block_size, float scale, int is_bf16, int num_threads) {
     const Layer L = {out,     q,       q_stride_t, q_stride_h, cos,       sin,        k_cache, v_cache,
                      num_heads, num_kv_heads, head_dim, block_size, scale, is_bf16};
@@ -651,12 +716,12 @@ void paged_attention(void* out, const void* q, int64_t q_stride_t, int64_t q_str
 
     int64_t num_items = (int64_t)num_decodes * num_kv_heads;
     for (int p = 0; p < num_prefills; p++)
-        num_items += (int64_t)((prefill_starts[p + 1] - prefill_starts[p] + MAX_ROWS - 1) / MAX_ROWS) * num_kv_heads;
+        num_items += (int64_t)((prefill_ends[p] - prefill_starts[p] + MAX_ROWS - 1) / MAX_ROWS) * num_kv_heads;
     WorkItem* items = (WorkItem*)malloc(sizeof(WorkItem) * (size_t)(num_items > 0 ? num_items : 1));
     int64_t n = 0;
     /* Prefill tiles first, latest (most keys) first: dynamic scheduling then evens out. */
     for (int p = 0; p < num_prefills; p++) {
-        const int start = prefill_starts[p], len = prefill_starts[p + 1] - start;
+        const int start = prefill_starts[p], len = prefill_ends[p] - start;
         for (int r = (len - 1) / MAX_ROWS * MAX_ROWS; r >= 0; r -= MAX_ROWS)
             for (int h = 0; h < num_kv_heads; h++)
                 items[n++] = (WorkItem){start + r, len - r < MAX_ROWS ? len - r : MAX_ROWS,

@@ -5,6 +5,7 @@ dimension) and passes raw pointers. ctypes releases the GIL for the call.
 """
 
 import torch
+import torch.nn.functional as F
 
 from replica.attention.metadata import AttentionMetadata
 from replica.cpu.build import load_library
@@ -90,6 +91,11 @@ def paged_attention(
     """Write this step's K/V (rotated when cos/sin are given) into the paged cache, then
     attend every query row causally over its sequence's cache. Returns [T, H, D].
 
+    Decode rows and chunks after cached tokens go through the C kernel. Fresh prefills
+    (nothing cached before them) need no cache reads, so torch's SDPA attends them from
+    q, k and v directly: its tiled kernel uses the CPU's matrix units (AMX), which the C
+    kernel's vector loops cannot match at prefill sizes.
+
     Called once per layer per step, so it checks only what a layer could get wrong; the
     step's metadata becomes kernel arguments once, on the first layer."""
     num_tokens, num_heads, head_dim = q.shape
@@ -103,25 +109,89 @@ def paged_attention(
     if cos is not None and not (cos.dtype == q.dtype and cos.is_contiguous() and sin.is_contiguous()):
         cos, sin = cos.to(q.dtype).contiguous(), sin.to(q.dtype).contiguous()
     out = q.new_empty((num_tokens, num_heads, head_dim))
+    kernel_args, fresh_runs = _step_arguments(meta)
     load_library().paged_attention(
         out.data_ptr(), q.data_ptr(), q.stride(0), q.stride(1),
         k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
-        _ptr(cos), _ptr(sin), k_cache.data_ptr(), v_cache.data_ptr(), *_step_arguments(meta),
+        _ptr(cos), _ptr(sin), k_cache.data_ptr(), v_cache.data_ptr(), *kernel_args,
         num_heads, k_cache.shape[1], head_dim, k_cache.shape[2], scale, _is_bf16(q), torch.get_num_threads(),
+    )  # fmt: skip
+    for start, end, length in fresh_runs:
+        _attend_fresh(out, q[start:end], k[start:end], v[start:end], length, scale, cos, sin, start)
+    return out
+
+
+def _attend_fresh(out, q, k, v, length: int, scale: float, cos, sin, start: int) -> None:
+    """Causal SDPA over a run of fresh prefill chunks of `length` rows each, starting at
+    packed row `start`, into out."""
+    end = start + q.shape[0]
+    if cos is not None:
+        q, k = (
+            rotary_embed(q, cos[start:end], sin[start:end]),
+            rotary_embed(k, cos[start:end], sin[start:end]),
+        )
+    num_heads, head_dim = q.shape[1], q.shape[2]
+
+    def batched(x: torch.Tensor) -> torch.Tensor:  # [B * L, heads, D] -> [B, heads, L, D]
+        return x.view(-1, length, x.shape[1], head_dim).transpose(1, 2)
+
+    attended = F.scaled_dot_product_attention(
+        batched(q), batched(k), batched(v), is_causal=True, scale=scale, enable_gqa=num_heads != k.shape[1]
+    )
+    out[start:end].view(-1, length, num_heads, head_dim).copy_(attended.transpose(1, 2))
+
+
+def rotary_embed(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] (any strides, last one 1) rotated, as transformers rounds it;
+    cos/sin: contiguous [T, D] of x's dtype. Returns a contiguous tensor."""
+    out = torch.empty(x.shape, dtype=x.dtype)
+    load_library().rotary_embed(
+        out.data_ptr(), x.data_ptr(), x.stride(0), x.stride(1), cos.data_ptr(), sin.data_ptr(),
+        x.shape[0], x.shape[1], x.shape[2], _is_bf16(x), torch.get_num_threads(),
     )  # fmt: skip
     return out
 
 
-def _step_arguments(meta: AttentionMetadata) -> tuple:
-    """The metadata as the kernel's arguments (slots, token count, decode rows, prefill
-    chunks), built on a step's first layer and reused by the others."""
+def _step_arguments(meta: AttentionMetadata) -> tuple[tuple, list[tuple[int, int, int]]]:
+    """The metadata as the kernel's arguments (slots, token count, decode rows, the prefill
+    chunks after cached tokens), and the fresh prefills as runs of equal-length chunks
+    (first row, end row, chunk length), each one batched SDPA call. Built on a step's
+    first layer and reused by the others."""
     if meta.kernel_args is None:
-        decode_tables, prefill_tables = meta.decode_block_tables, meta.prefill_block_tables
+        cached = [i for i, c in enumerate(meta.prefills) if c.block_table is not None]
+        fresh_runs: list[tuple[int, int, int]] = []
+        for chunk in meta.prefills:
+            if chunk.block_table is not None:
+                continue
+            length = chunk.end - chunk.start
+            if fresh_runs and fresh_runs[-1][1] == chunk.start and fresh_runs[-1][2] == length:
+                fresh_runs[-1] = (fresh_runs[-1][0], chunk.end, length)
+            else:
+                fresh_runs.append((chunk.start, chunk.end, length))
+        decode_tables = meta.decode_block_tables
+        prefill_arrays: tuple = (None, None, None, None)
+        prefill_width = 0
+        if cached:
+            index = torch.tensor(cached)
+            starts = meta.prefill_query_starts
+            prefill_arrays = (
+                starts[:-1][index].contiguous(), starts[1:][index].contiguous(),
+                meta.prefill_context_lens[index].contiguous(), meta.prefill_block_tables[index].contiguous(),
+            )  # fmt: skip
+            prefill_width = meta.prefill_block_tables.shape[1]
         meta.kernel_args = (
-            meta.slot_mapping.data_ptr(), meta.slot_mapping.shape[0],
-            meta.num_decodes, _ptr(decode_tables), 0 if decode_tables is None else decode_tables.shape[1],
-            _ptr(meta.decode_context_lens),
-            len(meta.prefills), _ptr(meta.prefill_query_starts), _ptr(meta.prefill_context_lens),
-            _ptr(prefill_tables), 0 if prefill_tables is None else prefill_tables.shape[1],
-        )  # fmt: skip
-    return meta.kernel_args
+            (
+                meta.slot_mapping.data_ptr(),
+                meta.slot_mapping.shape[0],
+                meta.num_decodes,
+                _ptr(decode_tables),
+                0 if decode_tables is None else decode_tables.shape[1],
+                _ptr(meta.decode_context_lens),
+                len(cached),
+                *(_ptr(a) for a in prefill_arrays),
+                prefill_width,
+            ),  # fmt: skip
+            fresh_runs,
+            prefill_arrays,  # keeps the arrays the pointers point into alive
+        )
+    return meta.kernel_args[:2]
