@@ -103,6 +103,7 @@ def cached_prefix_blocks(prompt_hashes: Sequence[bytes], view: ReplicaView) -> i
 class RoutedRequest:
     prompt: list[int]
     max_tokens: int | None
+    samples: int = 1  # n: each sample shares the prompt's full blocks, then grows its own
     _block_hashes: dict[int, list[bytes]] = field(default_factory=dict, repr=False)
 
     def block_hashes(self, block_size: int) -> list[bytes]:
@@ -115,12 +116,15 @@ class RoutedRequest:
 
 def blocks_needed(request: RoutedRequest, view: ReplicaView) -> tuple[int, int]:
     """(blocks the request may take on the replica, leading prompt blocks already cached
-    there). Like the engine, an unset max_tokens means up to max_model_len."""
-    hits = cached_prefix_blocks(request.block_hashes(view.block_size), view)
+    there). Like the engine, an unset max_tokens means up to max_model_len; with n > 1
+    samples, every sample after the first reuses the prompt's full blocks (the prefix
+    cache) and needs the rest of its own."""
+    hashes = request.block_hashes(view.block_size)
+    hits = cached_prefix_blocks(hashes, view)
     prompt_len = len(request.prompt)
     room = max(0, view.max_model_len - prompt_len)
-    final_len = prompt_len + min(request.max_tokens or room, room)
-    return cdiv(final_len, view.block_size) - hits, hits
+    final_blocks = cdiv(prompt_len + min(request.max_tokens or room, room), view.block_size)
+    return final_blocks - hits + (request.samples - 1) * (final_blocks - len(hashes)), hits
 
 
 def net_free_blocks(request: RoutedRequest, view: ReplicaView, promised_blocks: int) -> tuple[int, int]:
@@ -162,8 +166,8 @@ def group_ranks(keys: dict[ReplicaID, tuple]) -> list[list[ReplicaID]]:
 
 
 def routed_request(pending_request: PendingRequest | None) -> RoutedRequest | None:
-    """The token ids and max_tokens of an `LLMServer.generate(prompt, params)` call, if
-    the prompt came as token ids (the ingress always sends them)."""
+    """The token ids, max_tokens and n of an `LLMServer.generate(prompt, params)` call,
+    if the prompt came as token ids (the ingress always sends them)."""
     if pending_request is None:
         return None
     args, kwargs = pending_request.args, pending_request.kwargs
@@ -171,7 +175,8 @@ def routed_request(pending_request: PendingRequest | None) -> RoutedRequest | No
     params = args[1] if len(args) > 1 else kwargs.get("params")
     if not (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
         return None
-    return RoutedRequest(prompt, (params or {}).get("max_tokens"))
+    params = params or {}
+    return RoutedRequest(prompt, params.get("max_tokens"), params.get("n") or 1)
 
 
 class KVAwareRouter(RequestRouter):

@@ -61,6 +61,9 @@ def test_net_free_blocks_reserves_the_whole_answer():
     assert net_free_blocks(RoutedRequest(prompt, 64), view(free=40), 0) == (32, 0)  # 128 tokens: 8 blocks
     # Unset max_tokens: the answer may run to max_model_len (1024 tokens, 64 blocks).
     assert net_free_blocks(RoutedRequest(prompt, None), view(free=40), 0) == (-24, 0)
+    # n = 3: the first sample takes 8 blocks; the others share its 3 full prompt blocks
+    # (the last prompt token is never cached) and need 5 more each.
+    assert net_free_blocks(RoutedRequest(prompt, 64, 3), view(free=40), 0) == (22, 0)
 
 
 def test_a_prefix_counts_only_up_to_the_first_missing_block():
