@@ -14,7 +14,8 @@ from ray.serve.config import (
 from deployments.autoscaling import KVPressurePolicy
 from replica.deployment import LLMServer
 from replica.llm import load_chat_template
-from replica.model_loader import BUNDLED_NAME
+from replica.model_loader import BUNDLED_NAME, is_hub_id
+from replica.versions import running_versions
 from router.body_limit import DEFAULT_MAX_REQUEST_BYTES
 from router.coordinator import coordinator_address
 from router.http import OpenAIIngress
@@ -42,8 +43,12 @@ class AppConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     app_name: str = "kvserve"  # the Serve application name (names its coordinator)
-    model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
-    served_model_name: str | None = None  # the `model` clients send; default: the directory name
+    # None: the bundled SmolLM2-135M-Instruct; else a local directory, a .gguf file, or a
+    # hub id (`org/name`), which every node fetches into its HF cache.
+    model: str | None = None
+    revision: str | None = None  # of a hub id: branch, tag or commit
+    # The `model` clients send; default: the hub id, or the directory's name.
+    served_model_name: str | None = None
     replicas: int = Field(default=1, ge=1)  # ignored when autoscaling is set
     autoscaling: Autoscaling | None = None
     # "kv": rank replicas by free KV blocks and cached prefix; "pow2": Serve's default router.
@@ -76,12 +81,15 @@ class AppConfig(BaseModel):
     def model_name(self) -> str:
         if self.served_model_name:
             return self.served_model_name
-        return BUNDLED_NAME if self.model is None else self.model.rstrip("/").rsplit("/", 1)[-1]
+        if self.model is None:
+            return BUNDLED_NAME
+        return self.model if is_hub_id(self.model) else self.model.rstrip("/").rsplit("/", 1)[-1]
 
 
 def build_app(config: AppConfig | dict) -> Application:
     config = AppConfig.model_validate(config)
     coordinator = coordinator_address(config.app_name)
+    versions = running_versions()  # every replica and the ingress must run these
     options = {}
     if config.router == "kv":
         options["request_router_config"] = RequestRouterConfig(
@@ -96,7 +104,16 @@ def build_app(config: AppConfig | dict) -> Application:
         max_queued_requests=config.max_queued_requests,
         ray_actor_options={"num_cpus": config.num_cpus_per_replica, "num_gpus": config.num_gpus_per_replica},
         **options,
-    ).bind({**config.engine_args, "model": config.model, "max_waiting": config.max_waiting}, coordinator)
+    ).bind(
+        {
+            **config.engine_args,
+            "model": config.model,
+            "revision": config.revision,
+            "max_waiting": config.max_waiting,
+        },
+        coordinator,
+        versions,
+    )
     ingress = OpenAIIngress.options(
         max_queued_requests=config.max_queued_requests,
         backpressure_config=BackpressureConfig(status_code=429, retry_after_s=1),
@@ -106,11 +123,13 @@ def build_app(config: AppConfig | dict) -> Application:
         llm,
         config.model_name,
         config.model,
+        config.revision,
         coordinator,
         config.api_keys,
         config.max_request_bytes,
         warm_up=not can_scale_to_zero,
         chat_template=load_chat_template(config.chat_template),  # read here: replicas may be elsewhere
+        versions=versions,
     )
 
 

@@ -13,8 +13,11 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     model_args = argparse.ArgumentParser(add_help=False)
     model_args.add_argument(
-        "--model", default=None, help="local HF directory or .gguf file (default: bundled SmolLM2)"
+        "--model",
+        default=None,
+        help="hub id (org/name), local HF directory or .gguf file (default: the bundled SmolLM2)",
     )
+    model_args.add_argument("--revision", default=None, help="of a hub id: branch, tag or commit")
     model_args.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
 
     gen = commands.add_parser(
@@ -88,8 +91,22 @@ def main(argv: list[str] | None = None) -> int:
     return commands_by_name[args.command](args)
 
 
+def _check_model(args: argparse.Namespace) -> bool:
+    """Before Ray starts: a missing or gated model is one line on stderr, not a replica's
+    traceback. Fetches a hub model's tokenizer and config, which the driver needs anyway."""
+    from replica.model_loader import ModelNotFoundError, resolve_model
+
+    try:
+        resolve_model(args.model, args.revision, weights=False)
+    except ModelNotFoundError as e:
+        print(f"kvserve: error: {e}", file=sys.stderr)
+        return False
+    return True
+
+
 def _batch(args: argparse.Namespace) -> int:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if not _check_model(args):
+        return 2
     import ray
 
     from deployments.batch import run_batch
@@ -101,6 +118,7 @@ def _batch(args: argparse.Namespace) -> int:
             args.output,
             engine_args={
                 "model": args.model,
+                "revision": args.revision,
                 "dtype": args.dtype,
                 "kv_cache_memory_gb": args.kv_cache_memory_gb,
             },
@@ -125,13 +143,12 @@ def _batch(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from replica import LLM, SamplingParams
     from replica.model_loader import ModelNotFoundError
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-        llm = LLM(args.model, dtype=args.dtype)
+        llm = LLM(args.model, dtype=args.dtype, revision=args.revision)
     except (ValueError, ModelNotFoundError) as e:
         print(f"kvserve: error: {e}", file=sys.stderr)
         return 2
@@ -168,7 +185,8 @@ def _cpu_cores(spec: str, replicas: int) -> str | list[int] | None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if not _check_model(args):
+        return 2
     import ray
     from ray import serve
 
@@ -177,6 +195,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         config = AppConfig(
             model=args.model,
+            revision=args.revision,
             served_model_name=args.served_model_name,
             replicas=args.replicas,
             router=args.router,

@@ -9,7 +9,8 @@ ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flash_attn")
 
 @dataclass
 class EngineConfig:
-    model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
+    model: str | None = None  # None: the bundled SmolLM2-135M-Instruct; else a path or hub id
+    revision: str | None = None  # of a hub id: a branch, tag or commit (default: main)
     dtype: str = "auto"  # auto: bfloat16 (fast on AVX512-BF16 CPUs and on GPUs)
     device: str = "auto"  # auto: cuda if available, else cpu
     block_size: int = 16

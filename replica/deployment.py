@@ -26,6 +26,7 @@ from replica.engine import Engine
 from replica.engine_loop import EngineLoop
 from replica.outputs import RequestDelta, TokenLogprob
 from replica.sampling_params import SamplingParams
+from replica.versions import check_versions
 
 STATS_PUSH_INTERVAL_S = 0.1
 # 4096 hashes x 16 bytes: 64 KiB per push, enough for 64k cached tokens at block size 16.
@@ -43,15 +44,23 @@ class _Stream:
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
 class LLMServer:
-    def __init__(self, engine_args: dict | None = None, coordinator: tuple[str, str] | None = None):
-        """coordinator: (namespace, name) of the named actor to push stats to."""
+    def __init__(
+        self,
+        engine_args: dict | None = None,
+        coordinator: tuple[str, str] | None = None,
+        versions: dict[str, str] | None = None,
+    ):
+        """coordinator: (namespace, name) of the named actor to push stats to. versions:
+        kvserve's and Ray's where the application was built; this replica must run them."""
+        check_versions(versions, "replica")
         self.engine = Engine(EngineConfig.from_kwargs(**(engine_args or {})))
         cores = self.engine.config.cpu_cores
         if cores is not None and self.engine.runner.device.type == "cpu":
             pin_process(resolve_cores(cores))  # before the engine's thread starts
         self.engine.warm_up()  # before Serve counts the replica as ready
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self._report = self._build_report()
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self._report = (time.monotonic(), self._build_report())  # (when built, report)
         self._streams: dict[str, _Stream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None  # Serve's, set by the first call
         self._engine = EngineLoop(
@@ -101,6 +110,8 @@ class LLMServer:
         """Engine figures. Reads engine state, so it runs on the engine thread."""
         s = self.engine.stats()
         return {
+            "node_id": self.node_id,
+            "device": self.engine.runner.device.type,
             "block_size": self.engine.config.block_size,
             "max_model_len": self.engine.max_model_len,
             "max_waiting": self.engine.config.max_waiting,
@@ -132,14 +143,12 @@ class LLMServer:
         return {k: float(stats[k]) for k in ("kv_cache_usage", "num_waiting", "num_running")}
 
     def _build_report(self) -> dict:
-        """The coordinator's view of this replica: stats, the newest cached block hashes
-        (bounded), and the wall-clock time they were read, so that routers can tell which
-        of their own recent routing decisions the figures already include. Built on the
-        engine thread between steps; the push thread only sends the latest one."""
+        """The coordinator's view of this replica: stats and the newest cached block
+        hashes (bounded). Built on the engine thread between steps; the push thread only
+        sends the latest one."""
         return {
             **self._stats(),
             "cached_block_hashes": self.engine.kv.cached_prefix_summary(CACHED_HASHES_REPORTED),
-            "reported_at": time.time(),
         }
 
     def _push_stats(self, namespace: str, name: str) -> None:
@@ -152,7 +161,11 @@ class LLMServer:
             try:
                 coordinator = coordinator or ray.get_actor(name, namespace=namespace)
                 # Waited on, so that a dead coordinator shows up as an error here.
-                ray.get(coordinator.report.remote(self.replica_id, self._report), timeout=2.0)
+                built_at, report = self._report
+                # Its age, not a time of day: routers on other nodes compare it with their
+                # own clocks, which may be set differently from this node's.
+                report = {**report, "age_s": time.monotonic() - built_at}
+                ray.get(coordinator.report.remote(self.replica_id, report), timeout=2.0)
             except Exception:
                 coordinator = None
 
@@ -189,8 +202,8 @@ class LLMServer:
 
     def _refresh_report(self) -> None:
         """On the engine thread, so the report reads engine state between steps."""
-        if time.time() - self._report["reported_at"] >= STATS_PUSH_INTERVAL_S:
-            self._report = self._build_report()
+        if time.monotonic() - self._report[0] >= STATS_PUSH_INTERVAL_S:
+            self._report = (time.monotonic(), self._build_report())
 
 
 def _merged(deltas: list[RequestDelta], replica_id: str, tokenizer) -> dict:

@@ -51,7 +51,7 @@ class _InFlight:
 class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.model_path = resolve_model(config.model)
+        self.model_path = resolve_model(config.model, config.revision)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.runner = ModelRunner(config, self.model_path)
         # The attention backend may change the block size (flash-attn pages are multiples of

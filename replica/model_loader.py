@@ -2,12 +2,15 @@
 
 GGUF files (including the bundled SmolLM2) are dequantised once by transformers and
 saved as safetensors under the kvserve cache, so every later load is a plain
-`from_pretrained` of a directory.
+`from_pretrained` of a directory. Hub ids (`org/name`) are fetched by huggingface_hub
+into the standard HF cache, once per node, honouring HF_TOKEN, HF_HOME, HF_HUB_CACHE
+and HF_HUB_OFFLINE.
 """
 
 import hashlib
 import importlib.util
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -17,8 +20,24 @@ BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
 
 
+# What a replica needs from a hub repo: config, tokenizer, chat template, weights. The
+# ingress takes all but the weights. Only safetensors weights are loaded.
+HUB_CONFIG_FILES = ["*.json", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
+HUB_WEIGHT_FILES = ["*.safetensors"]
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
 class ModelNotFoundError(ValueError):
     pass
+
+
+def is_hub_id(model: str | os.PathLike | None) -> bool:
+    """`org/name` that is not a local path (a local directory of that name wins)."""
+    return (
+        model is not None
+        and _HUB_ID.fullmatch(str(model)) is not None
+        and not Path(model).expanduser().exists()
+    )
 
 
 def cache_root() -> Path:
@@ -39,10 +58,13 @@ def bundled_gguf_path() -> Path:
     return path
 
 
-def resolve_model(model: str | os.PathLike | None) -> Path:
-    """Local HF directory for `model`: None (bundled default), a .gguf file, or a directory."""
+def resolve_model(model: str | os.PathLike | None, revision: str | None = None, weights: bool = True) -> Path:
+    """Local HF directory for `model`: None (bundled default), a .gguf file, a directory,
+    or a hub id (at `revision`; without its weights when `weights` is False)."""
     if model is None:
         return convert_gguf(bundled_gguf_path())
+    if is_hub_id(model):
+        return fetch_from_hub(str(model), revision, weights)
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return convert_gguf(path)
@@ -51,9 +73,48 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
     if path.exists():
         raise ModelNotFoundError(f"{model!r} is neither a .gguf file nor a directory with config.json")
     raise ModelNotFoundError(
-        f"model {str(model)!r} not found: pass a local HF model directory or a .gguf file "
-        "(kvserve never downloads weights)"
+        f"model {str(model)!r} not found: pass a local HF model directory, a .gguf file "
+        "or a hub id like HuggingFaceTB/SmolLM2-135M-Instruct"
     )
+
+
+def fetch_from_hub(repo_id: str, revision: str | None, weights: bool) -> Path:
+    """The repo's snapshot directory in the HF cache, downloaded if missing. Every
+    failure becomes a ModelNotFoundError that names the model and says what to do."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    name = repo_id if revision is None else f"{repo_id}@{revision}"
+    patterns = HUB_CONFIG_FILES + (HUB_WEIGHT_FILES if weights else [])
+    try:
+        path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
+    except GatedRepoError:
+        raise ModelNotFoundError(
+            f"model {name!r} is gated: accept its terms on huggingface.co and set HF_TOKEN"
+        ) from None
+    except RepositoryNotFoundError:
+        raise ModelNotFoundError(
+            f"model {name!r} was not found on the hub (a private repo needs HF_TOKEN)"
+        ) from None
+    except RevisionNotFoundError:
+        raise ModelNotFoundError(f"model {repo_id!r} has no revision {revision!r}") from None
+    except LocalEntryNotFoundError:
+        why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "the hub cannot be reached"
+        raise ModelNotFoundError(
+            f"model {name!r} is not in the HF cache ({constants.HF_HUB_CACHE}) and {why}"
+        ) from None
+    except Exception as e:  # network errors, an incomplete cached snapshot, a full disk
+        raise ModelNotFoundError(f"could not fetch model {name!r}: {e}") from None
+    if not (path / "config.json").is_file():
+        raise ModelNotFoundError(f"model {name!r} has no config.json")
+    if weights and not any(path.glob("*.safetensors")):
+        raise ModelNotFoundError(f"model {name!r} has no safetensors weights (kvserve loads only those)")
+    return path
 
 
 def convert_gguf(gguf: Path) -> Path:

@@ -8,6 +8,7 @@ import ray
 
 NAMESPACE = "kvserve"
 DEFAULT_STALE_AFTER_S = 2.0
+HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray gives it to the head node only
 
 
 @ray.remote(num_cpus=0)
@@ -23,11 +24,15 @@ class Coordinator:
         self._latest.pop(replica_id, None)
 
     def snapshot(self) -> dict[str, dict]:
-        """Latest stats of every replica heard from within stale_after_s."""
-        cutoff = time.monotonic() - self.stale_after_s
-        for replica_id in [r for r, (t, _) in self._latest.items() if t < cutoff]:
+        """Latest stats of every replica heard from within stale_after_s. Each report's
+        `age_s` (how old it was when sent) grows by the time it has waited here: ages,
+        unlike times of day, mean the same on every node, whatever its clock says."""
+        now = time.monotonic()
+        for replica_id in [r for r, (t, _) in self._latest.items() if t < now - self.stale_after_s]:
             del self._latest[replica_id]
-        return {r: stats for r, (_, stats) in self._latest.items()}
+        return {
+            r: {**stats, "age_s": stats.get("age_s", 0.0) + now - t} for r, (t, stats) in self._latest.items()
+        }
 
 
 def coordinator_address(app_name: str) -> tuple[str, str]:
@@ -38,9 +43,14 @@ def coordinator_address(app_name: str) -> tuple[str, str]:
 def get_coordinator(address: tuple[str, str]) -> ray.actor.ActorHandle:
     """The coordinator at `address`, created by whoever asks first.
 
-    Detached, so it does not die with the actor that happened to create it;
-    get_if_exists makes concurrent first calls agree on one actor."""
+    Detached, so it does not die with the actor that happened to create it, and on the
+    head node, which autoscaling never removes; get_if_exists makes concurrent first
+    calls agree on one actor."""
     namespace, name = address
     return Coordinator.options(
-        name=name, namespace=namespace, get_if_exists=True, lifetime="detached"
+        name=name,
+        namespace=namespace,
+        get_if_exists=True,
+        lifetime="detached",
+        resources={HEAD_NODE_RESOURCE: 0.001},
     ).remote()

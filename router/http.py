@@ -19,7 +19,8 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import AutoConfig, AutoTokenizer
 
-from replica.model_loader import resolve_model
+from replica.model_loader import is_hub_id, resolve_model
+from replica.versions import check_versions
 from router.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
 from router.coordinator import get_coordinator
 from router.frontend import ChoiceDelta, Choices, EngineInput, FrontEnd
@@ -225,22 +226,26 @@ class OpenAIIngress(GrpcAPI):
         llm: DeploymentHandle,
         model_name: str,
         model: str | None = None,
+        revision: str | None = None,
         coordinator: tuple[str, str] | None = None,
         api_keys: list[str] | None = None,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         warm_up: bool = True,
         chat_template: str | None = None,
+        versions: dict[str, str] | None = None,
     ):
         """api_keys: when given, /v1/* and every gRPC call need one of them. warm_up: send
         one tiny request through the whole path at start-up (off where the replicas may
         scale to zero, since it would wake one). chat_template: a Jinja template to use
-        instead of the model's (say, one that renders tools)."""
+        instead of the model's (say, one that renders tools). versions: kvserve's and
+        Ray's where the application was built, which this process must run too."""
+        check_versions(versions, "ingress")
         app.state.max_request_bytes = max_request_bytes
         self.llm = llm
         self.coordinator = get_coordinator(coordinator) if coordinator else None
         self.model_name = model_name
-        path = resolve_model(model)
-        self.model_root = str(path)
+        path = resolve_model(model, revision, weights=False)  # the ingress only tokenizes
+        self.model_root = model if is_hub_id(model) else str(path)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         config = AutoConfig.from_pretrained(path)
         self.config_max_len = getattr(config, "max_position_embeddings", None)

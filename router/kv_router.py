@@ -66,18 +66,18 @@ class ReplicaView:
     free_blocks: int  # free now, less what admitted and waiting requests will still take
     total_blocks: int
     cached_hashes: frozenset[bytes]
-    reported_at: float  # wall clock, on the replica
+    reported_at: float  # time.monotonic() on this router, less the report's age
     accepting: bool = True  # False while its waiting queue is at max_waiting
 
     @classmethod
-    def from_report(cls, report: dict) -> "ReplicaView":
+    def from_report(cls, report: dict, received_at: float) -> "ReplicaView":
         return cls(
             block_size=report["block_size"],
             max_model_len=report["max_model_len"],
             free_blocks=report["num_free_blocks"] - report["num_pending_blocks"],
             total_blocks=report["num_total_blocks"],
             cached_hashes=frozenset(report["cached_block_hashes"]),
-            reported_at=report["reported_at"],
+            reported_at=received_at - report["age_s"],
             accepting=report.get("max_waiting") is None or report["num_waiting"] < report["max_waiting"],
         )
 
@@ -227,7 +227,7 @@ class KVAwareRouter(RequestRouter):
         ties = [i for i in ranks[0] if i != first_id]
         ranks = [[first_id]] + ([ties] if ties else []) + ranks[1:]
         blocks = blocks_needed(request, views[first_id])[0]
-        self._reserved[first_id.unique_id].append(Debit(time.time(), blocks))
+        self._reserved[first_id.unique_id].append(Debit(time.monotonic(), blocks))
         by_id = {r.replica_id: r for r in candidate_replicas}
         return [[by_id[i] for i in rank] for rank in ranks]
 
@@ -235,7 +235,7 @@ class KVAwareRouter(RequestRouter):
         reserved = self._reserved.get(replica_id)
         if not reserved:
             return 0
-        cutoff = time.time() - RESERVATION_TTL_S
+        cutoff = time.monotonic() - RESERVATION_TTL_S
         reserved[:] = [r for r in reserved if r.routed_at > cutoff]
         return sum(r.blocks for r in reserved)
 
@@ -245,7 +245,7 @@ class KVAwareRouter(RequestRouter):
         if request is None or view is None:
             return
         blocks = blocks_needed(request, view)[0]
-        self._debits[replica_id.unique_id].append(Debit(time.time(), blocks))
+        self._debits[replica_id.unique_id].append(Debit(time.monotonic(), blocks))
         self._in_flight[replica_id.unique_id][pending_request.metadata.internal_request_id] = blocks
         reserved = self._reserved.get(replica_id.unique_id)
         if reserved:  # the request is now in flight there: its reservation (or a peer's) ends
@@ -278,7 +278,8 @@ class KVAwareRouter(RequestRouter):
                 if coordinator is None:
                     coordinator = await loop.run_in_executor(None, get_coordinator, self._coordinator_address)
                 snapshot = await asyncio.wait_for(coordinator.snapshot.remote(), timeout=2.0)
-                self._views = {rid: ReplicaView.from_report(r) for rid, r in snapshot.items()}
+                now = time.monotonic()
+                self._views = {rid: ReplicaView.from_report(r, now) for rid, r in snapshot.items()}
                 self._expire_debits()
             except Exception as e:
                 if coordinator is not None:
@@ -287,7 +288,7 @@ class KVAwareRouter(RequestRouter):
             await asyncio.sleep(self._refresh_interval_s)
 
     def _expire_debits(self) -> None:
-        cutoff = time.time() - DEBIT_TTL_S
+        cutoff = time.monotonic() - DEBIT_TTL_S
         for replica_id in list(self._debits):
             view = self._views.get(replica_id)
             horizon = cutoff if view is None else max(cutoff, view.reported_at - ARRIVAL_MARGIN_S)

@@ -22,6 +22,37 @@ def model_path():
     return resolve_model(None)
 
 
+HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+HUB_COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def add_hub_repo(cache, repo_id: str, files, commit: str = HUB_COMMIT, refs=("main",)) -> None:
+    """Lay `files` out in an HF hub cache as `huggingface_hub` downloads them: blobs by
+    content hash, a snapshot of links to them per commit, refs naming the commit."""
+    import hashlib
+
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir(exist_ok=True)
+    for file in files:
+        data = file.read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        (snapshot / file.name).symlink_to(os.path.relpath(blob, snapshot))
+    (repo / "refs").mkdir(exist_ok=True)
+    for ref in refs:
+        (repo / "refs" / ref).write_text(commit)
+
+
+@pytest.fixture(scope="session")
+def hf_hub_cache(tmp_path_factory, model_path):
+    """An HF hub cache holding the bundled model as HUB_ID, on `main` and on tag `v1`."""
+    cache = tmp_path_factory.mktemp("hf-hub")
+    add_hub_repo(cache, HUB_ID, sorted(model_path.iterdir()), refs=("main", "v1"))
+    return cache
+
+
 @pytest.fixture(scope="session")
 def tokenizer(model_path):
     from transformers import AutoTokenizer
@@ -48,21 +79,29 @@ SERVE_HTTP_PORT = 18431
 SERVE_GRPC_PORT = 18432
 
 
-@pytest.fixture(scope="session")
-def ray_cluster():
-    """One local Ray and Serve for the whole test session (2 CPUs, no dashboard);
-    Serve's HTTP proxy listens on 127.0.0.1:SERVE_HTTP_PORT, its gRPC proxy on
-    SERVE_GRPC_PORT."""
-    ray = pytest.importorskip("ray")
+def start_local_ray() -> None:
+    """A local Ray (2 CPUs, no dashboard) with Serve's HTTP proxy on
+    127.0.0.1:SERVE_HTTP_PORT and its gRPC proxy on SERVE_GRPC_PORT."""
+    import ray
     from ray import serve
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     from deployments.app import GRPC_SERVICER
 
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(
         http_options={"host": "127.0.0.1", "port": SERVE_HTTP_PORT},
         grpc_options={"port": SERVE_GRPC_PORT, "grpc_servicer_functions": [GRPC_SERVICER]},
     )
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray and Serve for the whole test session (tests/test_multinode.py
+    stops it for its own cluster and starts it again after)."""
+    ray = pytest.importorskip("ray")
+    from ray import serve
+
+    start_local_ray()
     yield ray
     serve.shutdown()
     ray.shutdown()

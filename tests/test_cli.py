@@ -7,6 +7,7 @@ import time
 import grpc
 import openai
 import pytest
+from conftest import HUB_ID
 
 from router.protos import kvserve_pb2 as pb
 from router.protos import kvserve_pb2_grpc as pb_grpc
@@ -34,15 +35,19 @@ def test_bad_model_is_a_clear_error(tmp_path):
     assert "not found" in result.stderr
 
 
-def test_serve_answers_then_shuts_down_cleanly(tmp_path):
+def test_serve_answers_then_shuts_down_cleanly(tmp_path, hf_hub_cache):
+    """A model named by hub id, from an HF cache with no network (HF_HUB_OFFLINE)."""
     port, grpc_port = 18477, 18478
     env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_ADDRESS="local", KVSERVE_API_KEYS="secret-1")
+    env["HF_HUB_CACHE"] = str(hf_hub_cache)
     proc = subprocess.Popen(
         [
             sys.executable,
             "-m",
             "deployments.cli",
             "serve",
+            "--model",
+            HUB_ID,
             "--port",
             str(port),
             "--grpc-port",
@@ -62,10 +67,10 @@ def test_serve_answers_then_shuts_down_cleanly(tmp_path):
         deadline = time.time() + 240
         while "serving" not in banner and time.time() < deadline and proc.poll() is None:
             banner = proc.stdout.readline()
-        assert "serving SmolLM2-135M-Instruct" in banner
+        assert f"serving {HUB_ID}" in banner
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="secret-1", max_retries=0)
         out = client.chat.completions.create(
-            model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "Say hi."}], max_tokens=8
+            model=HUB_ID, messages=[{"role": "user", "content": "Say hi."}], max_tokens=8
         )
         assert out.choices[0].message.content
         with pytest.raises(openai.AuthenticationError):
@@ -73,7 +78,7 @@ def test_serve_answers_then_shuts_down_cleanly(tmp_path):
         stub = pb_grpc.LLMStub(grpc.insecure_channel(f"127.0.0.1:{grpc_port}"))
         metadata = [("application", "kvserve"), ("authorization", "Bearer secret-1")]
         models = stub.ListModels(pb.ListModelsRequest(), metadata=metadata)
-        assert [m.id for m in models.models] == ["SmolLM2-135M-Instruct"]
+        assert [m.id for m in models.models] == [HUB_ID]
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=120) == 0

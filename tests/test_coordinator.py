@@ -5,18 +5,19 @@ import ray
 from router.coordinator import Coordinator
 
 
-def test_snapshot_keeps_fresh_replicas_and_forgets_silent_ones(ray_cluster):
+def test_snapshot_keeps_fresh_replicas_forgets_silent_ones_and_ages_reports(ray_cluster):
     coordinator = Coordinator.remote(stale_after_s=0.5)
-    ray.get(coordinator.report.remote("a", {"num_free_blocks": 3}))
-    ray.get(coordinator.report.remote("b", {"num_free_blocks": 5}))
-    assert ray.get(coordinator.snapshot.remote()) == {
-        "a": {"num_free_blocks": 3},
-        "b": {"num_free_blocks": 5},
-    }
+    ray.get(coordinator.report.remote("a", {"num_free_blocks": 3, "age_s": 0.02}))
+    ray.get(coordinator.report.remote("b", {"num_free_blocks": 5, "age_s": 0.0}))
+    snapshot = ray.get(coordinator.snapshot.remote())
+    assert {r: s["num_free_blocks"] for r, s in snapshot.items()} == {"a": 3, "b": 5}
     time.sleep(0.3)
-    ray.get(coordinator.report.remote("a", {"num_free_blocks": 2}))
+    ray.get(coordinator.report.remote("a", {"num_free_blocks": 2, "age_s": 0.05}))
     time.sleep(0.3)  # b last reported 0.6 s ago, a 0.3 s ago
-    assert ray.get(coordinator.snapshot.remote()) == {"a": {"num_free_blocks": 2}}
+    snapshot = ray.get(coordinator.snapshot.remote())
+    assert list(snapshot) == ["a"] and snapshot["a"]["num_free_blocks"] == 2
+    # Its age: 0.05 s when sent, plus the 0.3 s (and a little) it waited here.
+    assert 0.35 <= snapshot["a"]["age_s"] < 1.0
     ray.get(coordinator.forget.remote("a"))
     assert ray.get(coordinator.snapshot.remote()) == {}
     ray.kill(coordinator)

@@ -103,3 +103,26 @@ def test_bad_params_raise_without_killing_the_replica(handle):
         "num_running",
         "num_waiting",
     }
+
+
+def test_a_replica_running_other_versions_than_the_app_was_built_with_refuses_to_start(
+    ray_cluster, model_path
+):
+    import re
+
+    from replica.versions import running_versions
+
+    running = running_versions()["kvserve"]
+    built_with = {**running_versions(), "kvserve": "0.0.1"}
+    app = LLMServer.options(name="llm-other-versions").bind({"model": str(model_path)}, None, built_with)
+    message = (
+        f"this replica on node .* runs kvserve {re.escape(running)} here but 0.0.1 where the application"
+    )
+    try:
+        with pytest.raises(RuntimeError, match="Deploying application versions-test failed"):
+            serve.run(app, name="versions-test", route_prefix=None)
+        # What `serve status` shows the operator: the replica's own error.
+        status = serve.status().applications["versions-test"].deployments["llm-other-versions"]
+        assert re.search(message, status.message), status.message
+    finally:
+        serve.delete("versions-test")

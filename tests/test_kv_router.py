@@ -11,12 +11,15 @@ import pytest
 import ray
 from conftest import SERVE_HTTP_PORT, undeploy, wait_for
 from ray import serve
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
+from ray.serve.request_router import PendingRequest
 
 from deployments.app import build_app
 from kvcache import KVCacheManager, hash_full_blocks
 from replica import SamplingParams
-from router.coordinator import coordinator_address
+from router.coordinator import coordinator_address, get_coordinator
 from router.kv_router import (
+    KVAwareRouter,
     ReplicaView,
     RoutedRequest,
     blocks_needed,
@@ -37,7 +40,7 @@ def view(free: int, cached: list[bytes] = (), total: int = 64, accepting: bool =
         free_blocks=free,
         total_blocks=total,
         cached_hashes=frozenset(cached),
-        reported_at=time.time(),
+        reported_at=time.monotonic(),
         accepting=accepting,
     )
 
@@ -140,10 +143,58 @@ def test_a_replica_with_a_full_waiting_queue_ranks_last():
     k = keys(prompt, {"full": view(free=60, cached=hashes, accepting=False), "open": view(free=10)})
     assert k["open"] > k["full"]
     report = {"block_size": 16, "max_model_len": 1024, "num_free_blocks": 9, "num_pending_blocks": 0}
-    report |= {"num_total_blocks": 64, "cached_block_hashes": [], "reported_at": 0.0}
-    assert not ReplicaView.from_report({**report, "num_waiting": 4, "max_waiting": 4}).accepting
-    assert ReplicaView.from_report({**report, "num_waiting": 3, "max_waiting": 4}).accepting
-    assert ReplicaView.from_report({**report, "num_waiting": 99, "max_waiting": None}).accepting
+    report |= {"num_total_blocks": 64, "cached_block_hashes": [], "age_s": 0.0}
+    assert not ReplicaView.from_report({**report, "num_waiting": 4, "max_waiting": 4}, 0.0).accepting
+    assert ReplicaView.from_report({**report, "num_waiting": 3, "max_waiting": 4}, 0.0).accepting
+    assert ReplicaView.from_report({**report, "num_waiting": 99, "max_waiting": None}, 0.0).accepting
+
+
+def test_reports_are_dated_by_age_so_clock_skew_between_nodes_does_not_matter(ray_cluster):
+    """Two replicas on nodes whose clocks are an hour ahead and an hour behind the
+    router's. Each sends how old its report is; the coordinator adds how long it held
+    it; the router dates it on its own clock. So a request routed before a report was
+    built counts as in the report, and one routed after it as still promised. (With
+    times of day, the replica ahead would have hidden every promise and the one behind
+    would have counted them all twice: bursts piled up, or replicas looked full.)"""
+    address = ("kvserve-test", "coordinator:skew")
+    coordinator = get_coordinator(address)
+    router = KVAwareRouter(DeploymentID(name="LLMServer", app_name="skew"), DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(coordinator=address, refresh_interval_s=0.02)
+    replicas = {name: ReplicaID(name, DeploymentID(name="LLMServer", app_name="skew")) for name in "ab"}
+    skew_s = {"a": 3600.0, "b": -3600.0}
+    report = {"block_size": 16, "max_model_len": 1024, "num_free_blocks": 60, "num_pending_blocks": 0}
+    report |= {"num_total_blocks": 64, "cached_block_hashes": [], "num_waiting": 0, "max_waiting": 8}
+
+    def route(request_id: str, name: str, max_tokens: int) -> None:
+        metadata = RequestMetadata(request_id=request_id, internal_request_id=request_id)
+        pending = PendingRequest(
+            args=[list(range(8)), {"max_tokens": max_tokens}], kwargs={}, metadata=metadata
+        )
+        router.on_request_routed(pending, replicas[name], None)
+
+    async def scenario() -> dict[str, int]:
+        router._start_refresher()
+        for name in "ab":  # a first report, so that the router has views to debit against
+            ray.get(coordinator.report.remote(name, {**report, "age_s": 0.0}))
+        await asyncio.sleep(0.2)
+        for name in "ab":
+            route(f"before-{name}", name, 40)  # 48 tokens: 3 blocks
+        await asyncio.sleep(0.2)
+        built_at = {name: time.monotonic() + skew_s[name] for name in "ab"}  # each node's clock
+        await asyncio.sleep(0.2)
+        for name in "ab":
+            route(f"after-{name}", name, 72)  # 80 tokens: 5 blocks
+        await asyncio.sleep(0.1)
+        for name in "ab":
+            age_s = time.monotonic() + skew_s[name] - built_at[name]
+            ray.get(coordinator.report.remote(name, {**report, "age_s": age_s}))
+        await asyncio.sleep(0.2)
+        return {name: router._promised_blocks(name) for name in "ab"}
+
+    try:
+        assert asyncio.run(scenario()) == {"a": 5, "b": 5}
+    finally:
+        ray.kill(coordinator)
 
 
 def test_group_ranks_best_first_and_ties_share_a_rank():
