@@ -190,7 +190,7 @@ def _step_arguments(meta: AttentionMetadata) -> tuple[tuple, list[tuple[int, int
                 len(cached),
                 *(_ptr(a) for a in prefill_arrays),
                 prefill_width,
-            ),  # fmt: skip
+            ),
             fresh_runs,
             prefill_arrays,  # keeps the arrays the pointers point into alive
         )
