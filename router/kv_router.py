@@ -42,6 +42,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import ray
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from kvcache.hashing import hash_full_blocks
@@ -270,16 +271,20 @@ class KVAwareRouter(RequestRouter):
     async def _refresh_forever(self) -> None:
         """Copy the coordinator's snapshot every refresh interval. On failure drop the
         copy (so routing falls back at once) and look the coordinator up again, which
-        recreates it if it died."""
+        recreates it if it died. Ends with Ray: in a driver that holds a handle and then
+        shuts Ray down, looking the coordinator up would start a new Ray (or join another
+        cluster) behind its back."""
         loop = asyncio.get_running_loop()
         coordinator = None
-        while True:
+        while ray.is_initialized():
             try:
                 if coordinator is None:
                     coordinator = await loop.run_in_executor(None, get_coordinator, self._coordinator_address)
+                # Dated from when it was asked for: each report is at least its age older
+                # than that (never younger, however long the reply or this loop took).
+                asked_at = time.monotonic()
                 snapshot = await asyncio.wait_for(coordinator.snapshot.remote(), timeout=2.0)
-                now = time.monotonic()
-                self._views = {rid: ReplicaView.from_report(r, now) for rid, r in snapshot.items()}
+                self._views = {rid: ReplicaView.from_report(r, asked_at) for rid, r in snapshot.items()}
                 self._expire_debits()
             except Exception as e:
                 if coordinator is not None:

@@ -79,10 +79,13 @@ SERVE_HTTP_PORT = 18431
 SERVE_GRPC_PORT = 18432
 
 
-def start_local_ray() -> None:
-    """A local Ray (2 CPUs, no dashboard) with Serve's HTTP proxy on
-    127.0.0.1:SERVE_HTTP_PORT and its gRPC proxy on SERVE_GRPC_PORT."""
-    import ray
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray and Serve for the whole test session (2 CPUs, no dashboard);
+    Serve's HTTP proxy listens on 127.0.0.1:SERVE_HTTP_PORT, its gRPC proxy on
+    SERVE_GRPC_PORT. tests/test_multinode.py, which runs last, stops it for a cluster
+    of its own."""
+    ray = pytest.importorskip("ray")
     from ray import serve
 
     from deployments.app import GRPC_SERVICER
@@ -92,19 +95,17 @@ def start_local_ray() -> None:
         http_options={"host": "127.0.0.1", "port": SERVE_HTTP_PORT},
         grpc_options={"port": SERVE_GRPC_PORT, "grpc_servicer_functions": [GRPC_SERVICER]},
     )
-
-
-@pytest.fixture(scope="session")
-def ray_cluster():
-    """One local Ray and Serve for the whole test session (tests/test_multinode.py
-    stops it for its own cluster and starts it again after)."""
-    ray = pytest.importorskip("ray")
-    from ray import serve
-
-    start_local_ray()
     yield ray
-    serve.shutdown()
-    ray.shutdown()
+    if ray.is_initialized():
+        serve.shutdown()
+        ray.shutdown()
+
+
+def pytest_collection_modifyitems(items):
+    """The fake multi-node cluster's tests last: a driver joins one Ray cluster at a
+    time, so they stop the session's, and starting it again in the same process after
+    another cluster has come and gone proved unreliable."""
+    items.sort(key=lambda item: item.path.name == "test_multinode.py")
 
 
 def hf_greedy(model, token_ids: list[int], max_new_tokens: int, eos_ids: set[int]) -> list[int]:

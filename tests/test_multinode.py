@@ -10,8 +10,8 @@ the engine runs on CPU.
 
 `AutoscalingCluster` itself reads an example config that Ray's wheel does not ship, so
 the cluster is started here the way it does: `ray start --head --autoscaling-config`
-with RAY_FAKE_CLUSTER=1. Ray allows one cluster per driver, so this module stops the
-session's local Ray and starts it again when it is done.
+with RAY_FAKE_CLUSTER=1. A driver joins one cluster at a time, so this module stops the
+session's local Ray; conftest.py runs it last.
 """
 
 import json
@@ -24,7 +24,7 @@ from pathlib import Path
 import openai
 import pytest
 import ray
-from conftest import HUB_ID, start_local_ray, wait_for
+from conftest import HUB_ID, wait_for
 from ray import serve
 
 from deployments.app import build_app
@@ -78,8 +78,7 @@ def cluster_config(gcs_address: str) -> dict:
 def fake_cluster(tmp_path_factory, hf_hub_cache):
     """The fake cluster, with this process connected to it as a driver.
     Every node reads models from the test's HF cache, offline."""
-    session_ray_was_up = ray.is_initialized()
-    if session_ray_was_up:
+    if ray.is_initialized():  # the session's
         serve.shutdown()
         ray.shutdown()
     gcs_address = f"{ray.util.get_node_ip_address()}:{GCS_PORT}"
@@ -102,11 +101,10 @@ def fake_cluster(tmp_path_factory, hf_hub_cache):
         ray.init(address="auto", log_to_driver=False)
         yield gcs_address
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        if ray.is_initialized():
+            serve.shutdown()
+            ray.shutdown()
         subprocess.run([RAY, "stop", "--force"], capture_output=True)
-        if session_ray_was_up:
-            start_local_ray()
 
 
 def worker_nodes() -> dict[str, dict]:
