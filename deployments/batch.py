@@ -7,9 +7,9 @@ optional `id` (default: a hash of the row). Output: JSONL, or a directory of Par
 parts, with id, text, finish_reason, prompt_tokens, completion_tokens and error.
 
 JSONL is read as text and parsed in the actors, so a malformed line is one error row,
-not a failed read. The driver appends each finished batch to the output and syncs it,
-so after a crash `--resume` skips the ids already written: no row is lost or written
-twice.
+not a failed read, and a row whose id an earlier row has is an error row too. The
+driver appends each finished batch to the output and syncs it, so after a crash
+`--resume` skips the ids already written: no row is lost or written twice.
 """
 
 import dataclasses
@@ -88,12 +88,15 @@ class Generator:
             parsed = [parse_line(row["text"]) for row in rows]
         else:  # Parquet rows
             parsed = [(row_id(row), row, None) for row in rows]
-        results = {}
+        results: dict[str, dict] = {}  # by id: the rows queued in the engine, and errors
+        duplicates = []  # a row whose id an earlier row of this batch has: an error row of its own
         for rid, row, error in parsed:
+            if rid in results:
+                duplicates.append(_result(rid, error=duplicate_id_error(rid)))
+                continue
             if error is None:
                 error = self._add(rid, row)
-            if error is not None:
-                results[rid] = _result(rid, error=error)
+            results[rid] = _result(rid, error=error)
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 if out.finished:
@@ -105,7 +108,7 @@ class Generator:
                         completion_tokens=out.num_output_tokens,
                     )
         columns = {name: [] for name in OUTPUT_SCHEMA.names}
-        for result in results.values():
+        for result in [*results.values(), *duplicates]:
             for name in columns:
                 columns[name].append(result[name])
         return columns
@@ -127,6 +130,10 @@ class Generator:
         except Exception as e:  # anything wrong with one row fails that row only
             return f"{type(e).__name__}: {e}"
         return None
+
+
+def duplicate_id_error(rid: str) -> str:
+    return f"duplicate id {rid!r}: an earlier row has it, so this row was not run"
 
 
 def _result(
@@ -182,6 +189,20 @@ class OutputWriter:
             os.fsync(f.fileno())
 
 
+def _mark_duplicates(table: pa.Table, written: set[str]) -> pa.Table:
+    """Rows whose id an earlier batch of this run wrote become error rows: each input row
+    still has its output row, and no id is answered twice. The actor checks ids within
+    one batch. Adds the table's ids to `written`."""
+    rows = table.to_pylist()
+    marked = False
+    for row in rows:
+        if row["id"] in written and row["error"] is None:
+            row.update(_result(row["id"], error=duplicate_id_error(row["id"])))
+            marked = True
+    written.update(row["id"] for row in rows)
+    return pa.Table.from_pylist(rows, schema=OUTPUT_SCHEMA) if marked else table
+
+
 def run_batch(
     input_path: str,
     output_path: str,
@@ -219,10 +240,12 @@ def run_batch(
 
     writer = OutputWriter(output, parquet_out)
     start, rows, errors, tokens = time.perf_counter(), 0, 0, 0
+    written: set[str] = set()
     progress = tqdm(desc="rows", unit="row")
     try:
         for table in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
             table = table.select(OUTPUT_SCHEMA.names).cast(OUTPUT_SCHEMA)
+            table = _mark_duplicates(table, written)
             writer.write(table)
             rows += table.num_rows
             errors += table.num_rows - table.column("error").null_count

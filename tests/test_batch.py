@@ -68,6 +68,31 @@ def test_every_row_comes_out_once_and_bad_rows_are_reported(ray_cluster, tmp_pat
     assert any("invalid JSON" in e for e in errors.values())
 
 
+def test_rows_with_duplicate_ids_become_error_rows_and_none_is_lost(ray_cluster, tmp_path, model_path):
+    """ "d1" twice in one batch, "d2" in the first and the last batch (10 rows each)."""
+    rows = [{"id": f"r{i}", "prompt": f"Say {i}.", "max_tokens": 2} for i in range(30)]
+    rows[1]["id"] = rows[2]["id"] = "d1"
+    rows[0]["id"] = rows[29]["id"] = "d2"
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    summary = run_batch(
+        str(tmp_path / "in.jsonl"),
+        str(tmp_path / "out.jsonl"),
+        engine_args={"model": str(model_path)},
+        max_replicas=1,
+        batch_size=10,
+        num_cpus_per_replica=0.5,
+    )
+    out = read_output(tmp_path / "out.jsonl")
+    assert len(out) == summary.rows == 30 and summary.errors == 2
+    assert sorted(r["id"] for r in out) == sorted(row["id"] for row in rows)
+    for rid in ("d1", "d2"):
+        answered = [r for r in out if r["id"] == rid and r["error"] is None]
+        refused = [r for r in out if r["id"] == rid and r["error"] is not None]
+        assert len(answered) == 1 and answered[0]["completion_tokens"] > 0
+        assert len(refused) == 1 and refused[0]["error"].startswith(f"duplicate id {rid!r}")
+        assert refused[0]["text"] is None and refused[0]["completion_tokens"] == 0
+
+
 def test_parquet_in_parquet_out(ray_cluster, tmp_path, model_path):
     rows = [{"id": f"p{i}", "prompt": f"Hello {i}", "max_tokens": 3} for i in range(20)]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "in.parquet")
