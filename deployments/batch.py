@@ -193,14 +193,16 @@ def _mark_duplicates(table: pa.Table, written: set[str]) -> pa.Table:
     """Rows whose id an earlier batch of this run wrote become error rows: each input row
     still has its output row, and no id is answered twice. The actor checks ids within
     one batch. Adds the table's ids to `written`."""
+    ids = table.column("id").to_pylist()
+    seen_before = written.intersection(ids)
+    written.update(ids)
+    if not seen_before:  # the usual case: the batch's texts stay in Arrow
+        return table
     rows = table.to_pylist()
-    marked = False
     for row in rows:
-        if row["id"] in written and row["error"] is None:
+        if row["id"] in seen_before and row["error"] is None:
             row.update(_result(row["id"], error=duplicate_id_error(row["id"])))
-            marked = True
-    written.update(row["id"] for row in rows)
-    return pa.Table.from_pylist(rows, schema=OUTPUT_SCHEMA) if marked else table
+    return pa.Table.from_pylist(rows, schema=OUTPUT_SCHEMA)
 
 
 def run_batch(

@@ -60,7 +60,7 @@ class LLMServer:
         self.engine.warm_up()  # before Serve counts the replica as ready
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.node_id = ray.get_runtime_context().get_node_id()
-        self._report = (time.monotonic(), self._build_report())  # (when built, report)
+        self._report = self._build_report()
         self._streams: dict[str, _Stream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None  # Serve's, set by the first call
         self._engine = EngineLoop(
@@ -142,11 +142,11 @@ class LLMServer:
         stats = await self.stats()
         return {k: float(stats[k]) for k in ("kv_cache_usage", "num_waiting", "num_running")}
 
-    def _build_report(self) -> dict:
-        """The coordinator's view of this replica: stats and the newest cached block
-        hashes (bounded). Built on the engine thread between steps; the push thread only
-        sends the latest one."""
-        return {
+    def _build_report(self) -> tuple[float, dict]:
+        """(when it was built, the coordinator's view of this replica: stats and the
+        newest cached block hashes, bounded). Built on the engine thread between steps;
+        the push thread only sends the latest one, with its age."""
+        return time.monotonic(), {
             **self._stats(),
             "cached_block_hashes": self.engine.kv.cached_prefix_summary(CACHED_HASHES_REPORTED),
         }
@@ -203,7 +203,7 @@ class LLMServer:
     def _refresh_report(self) -> None:
         """On the engine thread, so the report reads engine state between steps."""
         if time.monotonic() - self._report[0] >= STATS_PUSH_INTERVAL_S:
-            self._report = (time.monotonic(), self._build_report())
+            self._report = self._build_report()
 
 
 def _merged(deltas: list[RequestDelta], replica_id: str, tokenizer) -> dict:

@@ -71,14 +71,15 @@ class ReplicaView:
     accepting: bool = True  # False while its waiting queue is at max_waiting
 
     @classmethod
-    def from_report(cls, report: dict, received_at: float) -> "ReplicaView":
+    def from_report(cls, report: dict, asked_at: float) -> "ReplicaView":
+        """asked_at: when this router asked for the report (time.monotonic())."""
         return cls(
             block_size=report["block_size"],
             max_model_len=report["max_model_len"],
             free_blocks=report["num_free_blocks"] - report["num_pending_blocks"],
             total_blocks=report["num_total_blocks"],
             cached_hashes=frozenset(report["cached_block_hashes"]),
-            reported_at=received_at - report["age_s"],
+            reported_at=asked_at - report["age_s"],
             accepting=report.get("max_waiting") is None or report["num_waiting"] < report["max_waiting"],
         )
 
