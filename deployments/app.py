@@ -18,6 +18,7 @@ from replica.model_loader import BUNDLED_NAME, is_hub_id
 from replica.versions import running_versions
 from router.body_limit import DEFAULT_MAX_REQUEST_BYTES
 from router.coordinator import coordinator_address
+from router.generation import DEFAULT_MAX_MIGRATIONS
 from router.http import OpenAIIngress
 from router.kv_router import KVAwareRouter
 
@@ -70,6 +71,8 @@ class AppConfig(BaseModel):
     # tried on another replica, then answered 429. Overrides engine_args["max_waiting"].
     max_waiting: int = Field(default=64, ge=0)
     max_request_bytes: int = Field(default=DEFAULT_MAX_REQUEST_BYTES, ge=1024)  # larger bodies: 413
+    # How often one stream may move to another replica when its replica dies mid-stream.
+    max_migrations: int = Field(default=DEFAULT_MAX_MIGRATIONS, ge=0)
     # Clients must send one of these (HTTP `Authorization: Bearer`, gRPC metadata
     # `authorization`); empty: no keys. Prefer the KVSERVE_API_KEYS variable of `kvserve serve`.
     api_keys: list[str] = Field(default_factory=list, repr=False)
@@ -130,6 +133,7 @@ def build_app(config: AppConfig | dict) -> Application:
         warm_up=not can_scale_to_zero,
         chat_template=load_chat_template(config.chat_template),  # read here: replicas may be elsewhere
         versions=versions,
+        max_migrations=config.max_migrations,
     )
 
 

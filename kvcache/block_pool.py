@@ -4,6 +4,10 @@ A block whose reference count drops to zero goes back to the free queue but keep
 prefix hash, so a later request with the same prefix can revive it without recompute.
 Allocation takes from the head of the queue (least recently freed), which evicts the
 coldest cached content first.
+
+Separately, the cached hashes are kept in order of last use (cached or reused), which is
+what routers are told about: a shared system prompt that every request reuses stays at
+the front of the report however many new blocks are cached after it.
 """
 
 from collections import OrderedDict
@@ -31,6 +35,7 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Insertion order is LRU order: evict from the front, append freed blocks at the back.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        # hash -> block id, least recently used first (dicts keep insertion order; touch re-inserts).
         self._cached: dict[bytes, int] = {}
 
     @property
@@ -64,6 +69,14 @@ class BlockPool:
             del self._free[block.block_id]
         block.ref_count += 1
 
+    def touch(self, blocks: list[Block]) -> None:
+        """Mark cached blocks as just used, in order (the last one becomes the most
+        recent), so that `recent_hashes` reports blocks that requests keep reusing.
+        Only real reuse should touch: lookups that take nothing leave the order alone."""
+        for block in blocks:
+            if block.block_hash is not None and self._cached.get(block.block_hash) == block.block_id:
+                self._cached[block.block_hash] = self._cached.pop(block.block_hash)
+
     def cache(self, block: Block, block_hash: bytes) -> None:
         """Publish a full block under its chained hash; the first holder of a hash wins."""
         if not self.enable_caching or block.block_hash is not None:
@@ -89,7 +102,7 @@ class BlockPool:
                     self._free[block.block_id] = None
 
     def recent_hashes(self, limit: int) -> list[bytes]:
-        """Hashes of up to `limit` cached blocks, most recently cached first."""
+        """Hashes of up to `limit` cached blocks, most recently used (cached or reused) first."""
         return list(islice(reversed(self._cached), limit))
 
     def reset_prefix_cache(self) -> None:

@@ -100,6 +100,9 @@ class KVCacheManager:
                 self.prefix_cache_hits += len(cached.blocks)
             for block in prefix:
                 self.pool.share(block)
+            # Taken, not just looked up (the scheduler looks the head of its queue up
+            # every step): only now do these blocks count as recently used.
+            self.pool.touch(prefix)
             entry.blocks.extend(prefix)
             entry.hashes.extend(b.block_hash for b in prefix)
         entry.blocks.extend(self.pool.allocate(new))
@@ -124,9 +127,11 @@ class KVCacheManager:
             self.pool.free(entry.blocks)
 
     def cached_prefix_summary(self, limit: int) -> list[bytes]:
-        """A bounded sample of the prefix cache for routers: the newest block hashes.
-        Chained hashes let a router find a prompt's longest cached prefix by checking
-        its own block hashes against this set."""
+        """A bounded sample of the prefix cache for routers: the hashes of the most
+        recently used cached blocks (cached, or reused by a request), newest first, so
+        that a prefix many requests share stays in it. Hashes are chained, so a router
+        that finds one of its prompt's block hashes here knows the whole prefix up to
+        that block was cached, even when earlier blocks fell outside the limit."""
         return self.pool.recent_hashes(limit)
 
     def stats(self) -> KVStats:

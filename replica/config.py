@@ -11,7 +11,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flash_attn")
 class EngineConfig:
     model: str | None = None  # None: the bundled SmolLM2-135M-Instruct; else a path or hub id
     revision: str | None = None  # of a hub id: a branch, tag or commit (default: main)
-    dtype: str = "auto"  # auto: bfloat16 (fast on AVX512-BF16 CPUs and on GPUs)
+    dtype: str = "auto"  # auto: bfloat16 on GPUs and AVX512-BF16/AMX CPUs, else float32
     device: str = "auto"  # auto: cuda if available, else cpu
     block_size: int = 16
     kv_cache_memory_gb: float = 1.0  # KV budget on CPU; ignored when num_kv_blocks is set

@@ -22,7 +22,7 @@ from ray import serve
 
 from replica.config import EngineConfig
 from replica.cpu.affinity import pin_process, resolve_cores
-from replica.engine import Engine
+from replica.engine import Engine, EngineStepError
 from replica.engine_loop import EngineLoop
 from replica.outputs import RequestDelta, TokenLogprob
 from replica.sampling_params import SamplingParams
@@ -76,9 +76,14 @@ class LLMServer:
             ).start()
 
     async def generate(
-        self, prompt: str | list[int], params: dict | None = None, request_id: str | None = None
+        self,
+        prompt: str | list[int],
+        params: dict | None = None,
+        request_id: str | None = None,
+        resume_token_ids: list[int] | None = None,
     ) -> AsyncIterator[dict]:
         """Stream one request's deltas: dicts with text, token_ids, finish_reason, ...
+        resume_token_ids: the output another replica already streamed (migration).
 
         Bad prompts or sampling values raise ValueError before anything is streamed."""
         sampling = SamplingParams(**(params or {}))
@@ -87,7 +92,7 @@ class LLMServer:
         self._streams[request_id] = stream
         unfinished = sampling.n  # samples; each item carries one sample's new output
         try:
-            await self._call_engine(self.engine.add_request, prompt, sampling, request_id)
+            await self._call_engine(self.engine.add_request, prompt, sampling, request_id, resume_token_ids)
             while unfinished:
                 await stream.ready.wait()
                 stream.ready.clear()
@@ -190,7 +195,7 @@ class LLMServer:
 
     def _fail_all(self, error: Exception) -> None:
         """On the engine thread, after a failed step: abort and fail every request."""
-        failure = RuntimeError(f"engine step failed: {error}")
+        failure = EngineStepError(f"engine step failed: {error}")
         for request_id in list(self._streams):
             self.engine.abort(request_id)
         self._loop.call_soon_threadsafe(self._fail_streams, failure)

@@ -30,6 +30,10 @@ class QueueFullError(RuntimeError):
     """The waiting queue is at max_waiting; the caller should retry elsewhere or later."""
 
 
+class EngineStepError(RuntimeError):
+    """A step failed, and with it every request it served; another replica may go on."""
+
+
 @dataclass
 class EngineStats:
     kv: KVStats
@@ -88,13 +92,22 @@ class Engine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        resume_token_ids: list[int] | None = None,
     ) -> str:
+        """resume_token_ids: output a request already produced elsewhere (a replica that
+        died mid-stream); the request continues after it as if it had sampled it here."""
         waiting = len(self.scheduler.waiting)
         if self.config.max_waiting is not None and waiting >= self.config.max_waiting:
             raise QueueFullError(f"{waiting} requests are already waiting (max_waiting)")
-        return self._add(prompt, params or SamplingParams(), request_id)
+        return self._add(prompt, params or SamplingParams(), request_id, resume_token_ids or [])
 
-    def _add(self, prompt: str | list[int], params: SamplingParams, request_id: str | None) -> str:
+    def _add(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None,
+        resume_token_ids: list[int] = (),
+    ) -> str:
         """With n > 1 the samples are requests of their own. Only the first is scheduled
         at once; the others follow when its prefill is done, so that they find the
         prompt's blocks in the prefix cache instead of prefilling it again."""
@@ -108,8 +121,13 @@ class Engine:
         if request_id in self._requests or request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.n == 1:
-            self._admit(self._new_request(request_id, text, token_ids, params))
+            request = self._new_request(request_id, text, token_ids, params)
+            if resume_token_ids:
+                self._resume(request, list(resume_token_ids))
+            self._admit(request)
             return request_id
+        if resume_token_ids:
+            raise ValueError("only a request with n = 1 can be resumed")
         samples = [
             self._new_request(
                 f"{request_id}#{i}", text, token_ids, _sample_params(params, i), group_id=request_id, index=i
@@ -155,6 +173,30 @@ class Engine:
             group_id=group_id,
             index=index,
         )
+
+    def _resume(self, request: Request, output_ids: list[int]) -> None:
+        """Replay output sampled elsewhere through everything that follows a request's
+        tokens: its detokenizer (the text already sent, and what a stop string holds
+        back), its grammar, and its seeded generator (one draw per token sampled at a
+        temperature). It is then where a preempted request is: its KV is recomputed."""
+        vocab = self.runner.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in output_ids):
+            raise ValueError(f"resume_token_ids must be integers in [0, {vocab})")
+        if len(output_ids) >= request.max_tokens:
+            raise ValueError(
+                f"resume_token_ids has {len(output_ids)} tokens; max_tokens is {request.max_tokens}"
+            )
+        draws = request.generator is not None and not request.params.greedy
+        stops = request.params.stop_token_ids or []
+        eos = request.eos_token_ids if not request.params.ignore_eos else ()
+        for token in output_ids:
+            if request.detokenizer.add_token(token).stopped or token in eos or token in stops:
+                raise ValueError("resume_token_ids already end the request (a stop string or token)")
+            if request.matcher is not None and not request.matcher.consume_token(token):
+                raise ValueError(f"resume_token_ids: the grammar rejects token {token}")
+            if draws:
+                torch.rand(1, generator=request.generator, device=self.runner.device)
+        request.token_ids += output_ids
 
     def _admit(self, request: Request) -> None:
         self._requests[request.request_id] = request

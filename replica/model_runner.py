@@ -42,8 +42,14 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def resolve_dtype(dtype: str) -> torch.dtype:
-    return torch.bfloat16 if dtype == "auto" else _DTYPES[dtype]
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """auto: bf16 where it is fast (GPUs, and CPUs with AVX512-BF16 or AMX); else fp32,
+    since a CPU without them emulates bf16 matmuls at 2-5x fp32's cost (AVX2 EPYC)."""
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    if device.type != "cpu" or torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported():
+        return torch.bfloat16
+    return torch.float32
 
 
 def kv_blocks_for_gpu(total_bytes: int, utilization: float, used_bytes: int, bytes_per_block: int) -> int:
@@ -71,7 +77,7 @@ def _transformers_decoder(decoder: torch.nn.Module):
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_path):
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype)
+        self.dtype = resolve_dtype(config.dtype, self.device)
         installed = installed_kernel_packages()
         if (
             self.device.type == "cpu"

@@ -15,7 +15,7 @@ from ray.serve.handle import DeploymentHandle
 from replica.llm import chat_prompt_ids
 from replica.sampling_params import SamplingParams
 from router import tool_calls
-from router.generation import APIError, Generation, start_generation
+from router.generation import DEFAULT_MAX_MIGRATIONS, APIError, Generation, start_generation
 from router.metrics import ServingMetrics
 from router.protocol import ChatCompletionRequest, CompletionRequest, ResponseFormat
 
@@ -129,8 +129,10 @@ class FrontEnd:
         vocab_size: int,
         api_keys: list[str] | None = None,
         chat_template: str | None = None,
+        max_migrations: int = DEFAULT_MAX_MIGRATIONS,
     ):
         self.llm, self.metrics, self.model_name = llm, metrics, model_name
+        self.max_migrations = max_migrations
         self.tokenizer, self.vocab_size, self.chat_template = tokenizer, vocab_size, chat_template
         self._api_keys = [key.encode() for key in api_keys or []]
         # Templating and tokenizing run off the event loop that streams every other
@@ -245,7 +247,9 @@ class FrontEnd:
         return EngineInput(prompt, params.as_dict(), choices, logprobs_wanted, echo, tools)
 
     async def start(self, engine_input: EngineInput) -> Generation:
-        return await start_generation(self.llm, self.metrics, engine_input.prompt, engine_input.params)
+        return await start_generation(
+            self.llm, self.metrics, engine_input.prompt, engine_input.params, self.max_migrations
+        )
 
 
 def _structured(body: CompletionRequest | ChatCompletionRequest) -> dict | None:

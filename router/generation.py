@@ -5,22 +5,28 @@ metrics, and mapping failures onto API errors.
 A request that fails before its first token (its replica died, or its replica's waiting
 queue was full) has produced nothing, so it is sent again, and Serve routes it to
 another replica: Serve's router drops a replica whose actor died from its candidates.
-Once a token has gone out, a failure ends the request with an error instead."""
+Once tokens have gone out, a lost replica or a failed engine step moves the request to
+another replica, which goes on after the tokens already sent (Generation)."""
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from replica.engine import QueueFullError
+from replica.engine import EngineStepError, QueueFullError
 from router.metrics import RequestTimer, ServingMetrics
+
+logger = logging.getLogger("ray.serve")
 
 # Further attempts for a request that failed before its first token.
 START_RETRIES = 2
+# Moves of one request to another replica after its tokens began to stream.
+DEFAULT_MAX_MIGRATIONS = 2
 
 
 class APIError(Exception):
@@ -45,20 +51,57 @@ def as_api_error(e: Exception) -> APIError:
 
 @dataclass
 class Generation:
+    """A request's stream of chunks. When its replica dies, or its engine fails, after
+    tokens went out, the request moves to another replica as its prompt plus the
+    tokens already sent (migration), up to max_migrations times: greedy and seeded
+    streams go on exactly as they would have, and the client sees one stream."""
+
     first: dict
     stream: DeploymentResponseGenerator
     timer: RequestTimer
+    llm: DeploymentHandle
+    prompt: list[int]
+    params: dict
+    max_migrations: int = DEFAULT_MAX_MIGRATIONS
+    migrations: int = 0
+    sent_token_ids: list[int] = field(default_factory=list)  # with n = 1
+    finished: bool = False  # with n = 1
 
     async def chunks(self) -> AsyncIterator[dict]:
-        """Every chunk, the first included; a replica failure raises APIError."""
-        self.timer.on_chunk(self.first)
-        yield self.first
-        try:
-            async for chunk in self.stream:
-                self.timer.on_chunk(chunk)
-                yield chunk
-        except Exception as e:
-            raise as_api_error(e) from e
+        """Every chunk, the first included; a failure that cannot migrate raises APIError."""
+        chunk = self.first
+        while True:
+            self.timer.on_chunk(chunk)
+            self.sent_token_ids += chunk["token_ids"]
+            self.finished |= chunk["finished"]
+            yield chunk
+            try:
+                chunk = await self.stream.__anext__()
+            except StopAsyncIteration:
+                return
+            except Exception as e:
+                if not self._may_migrate(e):
+                    raise as_api_error(e) from e
+                chunk = await self._migrate(e)
+
+    def _may_migrate(self, e: Exception) -> bool:
+        lost = isinstance(e, RayActorError) or isinstance(getattr(e, "cause", None), EngineStepError)
+        single = self.params.get("n", 1) == 1 and not self.finished
+        return lost and single and self.migrations < self.max_migrations
+
+    async def _migrate(self, e: Exception) -> dict:
+        self.migrations += 1
+        self.timer.metrics.migrations.labels(self.timer.metrics.model_name).inc()
+        logger.warning(
+            "request lost its replica after %d tokens (%r); migration %d of at most %d",
+            len(self.sent_token_ids),
+            e,
+            self.migrations,
+            self.max_migrations,
+        )
+        _cancel(self.stream)
+        self.stream, first = await _open(self.llm, self.prompt, self.params, self.sent_token_ids)
+        return first
 
     def cancel(self) -> None:
         """Idempotent; a cancelled stream aborts its engine request on the replica."""
@@ -66,17 +109,32 @@ class Generation:
 
 
 async def start_generation(
-    llm: DeploymentHandle, metrics: ServingMetrics, prompt: list[int], params: dict
+    llm: DeploymentHandle,
+    metrics: ServingMetrics,
+    prompt: list[int],
+    params: dict,
+    max_migrations: int = DEFAULT_MAX_MIGRATIONS,
 ) -> Generation:
     timer = metrics.timer(params.get("n", 1))
+    stream, first = await _open(llm, prompt, params)
+    return Generation(first, stream, timer, llm, prompt, params, max_migrations)
+
+
+async def _open(
+    llm: DeploymentHandle, prompt: list[int], params: dict, resume_token_ids: list[int] | None = None
+) -> tuple[DeploymentResponseGenerator, dict]:
+    """A replica's stream and its first chunk, which surfaces validation errors before
+    any byte is sent. A replica that fails before its first chunk has produced nothing,
+    so the request is sent again; Serve routes it to another replica."""
     attempt = 0
     while True:
         attempt += 1
         stream = None
         try:
-            stream = llm.options(stream=True).generate.remote(prompt, params)
-            first = await stream.__anext__()  # surfaces validation errors before any byte is sent
-            return Generation(first, stream, timer)
+            stream = llm.options(stream=True).generate.remote(
+                prompt, params, resume_token_ids=list(resume_token_ids) if resume_token_ids else None
+            )
+            return stream, await stream.__anext__()
         except StopAsyncIteration:
             raise APIError(500, "the replica returned no output", kind="server_error") from None
         except Exception as e:

@@ -24,7 +24,7 @@ from replica.versions import check_versions
 from router.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
 from router.coordinator import get_coordinator
 from router.frontend import ChoiceDelta, Choices, EngineInput, FrontEnd
-from router.generation import APIError, Generation
+from router.generation import DEFAULT_MAX_MIGRATIONS, APIError, Generation
 from router.grpc_api import GrpcAPI
 from router.metrics import ServingMetrics
 from router.protocol import (
@@ -233,15 +233,18 @@ class OpenAIIngress(GrpcAPI):
         warm_up: bool = True,
         chat_template: str | None = None,
         versions: dict[str, str] | None = None,
+        max_migrations: int = DEFAULT_MAX_MIGRATIONS,
     ):
         """api_keys: when given, /v1/* and every gRPC call need one of them. warm_up: send
         one tiny request through the whole path at start-up (off where the replicas may
         scale to zero, since it would wake one). chat_template: a Jinja template to use
         instead of the model's (say, one that renders tools). versions: kvserve's and
-        Ray's where the application was built, which this process must run too."""
+        Ray's where the application was built, which this process must run too.
+        max_migrations: how often a stream may move on when its replica dies."""
         check_versions(versions, "ingress")
         app.state.max_request_bytes = max_request_bytes
         self.llm = llm
+        self._coordinator_address = coordinator
         self.coordinator = get_coordinator(coordinator) if coordinator else None
         self.model_name = model_name
         path = resolve_model(model, revision, weights=False)  # the ingress only tokenizes
@@ -258,6 +261,7 @@ class OpenAIIngress(GrpcAPI):
             getattr(config, "vocab_size", None) or len(self.tokenizer),
             api_keys,
             chat_template,
+            max_migrations,
         )
         self._warm_up = asyncio.get_running_loop().create_task(self._send_warm_up()) if warm_up else None
 
@@ -283,7 +287,7 @@ class OpenAIIngress(GrpcAPI):
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics(self) -> Response:
-        snapshot = await self.coordinator.snapshot.remote() if self.coordinator else {}
+        snapshot = await self._snapshot()
         return Response(self.metrics.exposition(snapshot), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", responses={401: _ERROR_401})
@@ -321,12 +325,20 @@ class OpenAIIngress(GrpcAPI):
         messages = [m.template_message() for m in body.messages]
         return self.frontend.chat_prompt_ids(messages, body.add_generation_prompt)
 
+    async def _snapshot(self) -> dict[str, dict]:
+        """The replicas' latest reports; none while the coordinator is gone. A dead
+        coordinator is recreated by whoever looks it up first, this ingress included."""
+        if self.coordinator is None:
+            return {}
+        try:
+            return await self.coordinator.snapshot.remote()
+        except Exception:
+            self.coordinator = get_coordinator(self._coordinator_address)
+            return {}
+
     async def _max_model_len(self) -> int | None:
         """The replicas' context window (they size it from their KV cache), else the model's."""
-        try:
-            snapshot = await self.coordinator.snapshot.remote() if self.coordinator else {}
-        except Exception:  # the coordinator died; routers recreate it
-            snapshot = {}
+        snapshot = await self._snapshot()
         lengths = [stats["max_model_len"] for stats in snapshot.values() if "max_model_len" in stats]
         return min(lengths) if lengths else self.config_max_len
 

@@ -1,9 +1,10 @@
 """KV-aware request routing for the LLMServer deployment, as a Ray Serve RequestRouter.
 
-Replicas push their free blocks and a bounded set of cached block hashes to the
-coordinator; this router keeps a copy of the coordinator's snapshot, refreshed in the
-background, so nothing on the request path waits on the coordinator. For each request
-it ranks replicas by
+Replicas push their free blocks and a bounded set of cached block hashes (their most
+recently used ones; hashes are chained, so one reported block stands for its whole
+prefix) to the coordinator; this router keeps a copy of the coordinator's snapshot,
+refreshed in the background, so nothing on the request path waits on the coordinator.
+For each request it ranks replicas by
 
 1. whether they would accept it: replicas whose waiting queue is full (`max_waiting`)
    would refuse it, so they come last;
@@ -91,14 +92,14 @@ class Debit:
 
 
 def cached_prefix_blocks(prompt_hashes: Sequence[bytes], view: ReplicaView) -> int:
-    """Leading prompt blocks the replica reported as cached (hashes are chained, so the
-    first miss ends the prefix)."""
-    n = 0
-    for block_hash in prompt_hashes:
-        if block_hash not in view.cached_hashes:
-            break
-        n += 1
-    return n
+    """Leading prompt blocks the replica has cached: up to the deepest prompt block whose
+    hash it reported. Hashes are chained, so that hash vouches for every block before
+    it, even ones missing from the report: a report is bounded to the most recently used
+    blocks, and a prefix's earlier blocks can fall out of it while its later ones stay."""
+    for depth in range(len(prompt_hashes), 0, -1):
+        if prompt_hashes[depth - 1] in view.cached_hashes:
+            return depth
+    return 0
 
 
 @dataclass

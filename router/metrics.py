@@ -2,6 +2,9 @@
 
 Latencies and token counts are measured where requests pass, in the ingress. Queue
 and KV-cache figures are the sums of the replicas' latest reports to the coordinator.
+Counters sum the latest count of every replica ever reported, gone ones included, so
+that a replica's death or a scale-down never makes them go down (which Prometheus
+would read as a reset).
 """
 
 import time
@@ -9,6 +12,12 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+# Prometheus counter -> (the replica report's key, help text).
+REPLICA_COUNTERS = {
+    "vllm:prefix_cache_queries": ("prefix_cache_queries", "Prefix-cache block lookups."),
+    "vllm:prefix_cache_hits": ("prefix_cache_hits", "Prefix-cache block hits."),
+    "vllm:num_preemptions": ("num_preemptions", "Preemptions by recompute."),
+}
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -17,10 +26,17 @@ class ServingMetrics:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self._snapshot: dict[str, dict] = {}
+        self._counts: dict[str, dict[str, float]] = {}  # replica -> counter key -> latest
         labels = ["model_name"]
         r = self.registry
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed.", labels, registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", labels, registry=r)
+        self.migrations = Counter(
+            "kvserve:request_migrations",
+            "Streams moved to another replica after theirs died mid-stream.",
+            labels,
+            registry=r,
+        )
         self.ttft = Histogram(
             "vllm:time_to_first_token_seconds",
             "Time to first token.",
@@ -46,6 +62,10 @@ class ServingMetrics:
 
     def exposition(self, snapshot: dict[str, dict]) -> bytes:
         self._snapshot = snapshot
+        for replica_id, stats in snapshot.items():
+            counts = self._counts.setdefault(replica_id, {})
+            for key, _ in REPLICA_COUNTERS.values():
+                counts[key] = max(counts.get(key, 0), stats[key])
         return generate_latest(self.registry)
 
     def collect(self):
@@ -64,14 +84,9 @@ class ServingMetrics:
             g = GaugeMetricFamily(name, doc, labels=["model_name"])
             g.add_metric([self.model_name], value)
             yield g
-        counters = {
-            "vllm:prefix_cache_queries": ("Prefix-cache block lookups.", "prefix_cache_queries"),
-            "vllm:prefix_cache_hits": ("Prefix-cache block hits.", "prefix_cache_hits"),
-            "vllm:num_preemptions": ("Preemptions by recompute.", "num_preemptions"),
-        }
-        for name, (doc, key) in counters.items():
+        for name, (key, doc) in REPLICA_COUNTERS.items():
             c = CounterMetricFamily(name, doc, labels=["model_name"])
-            c.add_metric([self.model_name], sum(s[key] for s in stats))
+            c.add_metric([self.model_name], sum(counts[key] for counts in self._counts.values()))
             yield c
 
     def timer(self, samples: int = 1) -> "RequestTimer":

@@ -1,4 +1,6 @@
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvcache import BlockPool, KVCacheManager, NoFreeBlocksError, hash_full_blocks
 
@@ -89,3 +91,77 @@ def test_failed_allocation_changes_nothing():
     assert not kv.allocate("a", 9)
     assert kv.num_free_blocks == 2
     assert kv.block_ids("a") == []
+
+
+def _run(kv: KVCacheManager, request_id: str, prompt: list[int]) -> None:
+    """Admit a request as the scheduler does and compute its whole prompt."""
+    assert kv.allocate(request_id, len(prompt), kv.find_cached_prefix(prompt))
+    kv.cache_full_blocks(request_id, prompt, len(prompt))
+
+
+def test_a_reused_block_is_reported_ahead_of_newer_untouched_ones():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    shared, other = list(range(9)), list(range(100, 109))  # 2 cacheable blocks each
+    _run(kv, "a", shared)
+    _run(kv, "b", other)
+    kv.free("a")
+    kv.free("b")
+    shared_hashes, other_hashes = hash_full_blocks(shared, 4), hash_full_blocks(other, 4)
+    assert kv.cached_prefix_summary(2) == other_hashes[::-1]  # newest first
+    _run(kv, "c", shared[:8] + [7])  # reuses both of the shared prompt's blocks
+    assert kv.cached_prefix_summary(2) == shared_hashes[::-1]
+    assert kv.cached_prefix_summary(4) == shared_hashes[::-1] + other_hashes[::-1]
+
+
+def test_looking_a_prefix_up_without_taking_it_leaves_the_report_alone():
+    """The scheduler looks the head of its queue up every step, even while it cannot
+    admit it: only taking the blocks counts as use."""
+    kv = KVCacheManager(num_blocks=5, block_size=4)
+    shared, other = list(range(9)), list(range(100, 109))
+    _run(kv, "a", shared)
+    kv.free("a")
+    _run(kv, "b", other)
+    before = kv.cached_prefix_summary(10)
+    cached = kv.find_cached_prefix(shared + [1, 2, 3, 4, 5, 6, 7, 8])
+    assert len(cached.blocks) == 2
+    assert not kv.allocate("c", 25, cached)  # 7 blocks: 2 to revive + 5 new > 2 free
+    assert kv.cached_prefix_summary(10) == before
+
+
+def test_touch_skips_blocks_that_hold_no_cached_hash():
+    pool = BlockPool(3)
+    a, b = pool.allocate(2)
+    pool.cache(a, b"a")
+    pool.touch([b, a])
+    assert pool.recent_hashes(5) == [b"a"]
+
+
+@given(st.lists(st.tuples(st.sampled_from(["cache", "reuse", "free"]), st.integers(0, 63)), max_size=80))
+def test_reported_hashes_follow_last_use(ops):
+    """Against a plain list model: caching or reusing a block makes it the most recent;
+    eviction (allocating over an idle cached block) drops it; nothing else reorders."""
+    pool = BlockPool(6)
+    order: list[bytes] = []  # least recently used first
+    held: list = []
+    next_hash = 0
+    for op, i in ops:
+        if op == "cache" and pool.num_free_blocks:
+            (block,) = pool.allocate(1)
+            order = [h for h in order if pool.lookup(h) is not None]  # evicted hashes leave
+            block_hash = next_hash.to_bytes(4, "big")
+            next_hash += 1
+            pool.cache(block, block_hash)
+            order.append(block_hash)
+            held.append(block)
+        elif op == "reuse" and order:
+            block = pool.lookup(order[i % len(order)])
+            pool.share(block)
+            pool.touch([block])
+            order.remove(block.block_hash)
+            order.append(block.block_hash)
+            held.append(block)
+        elif op == "free" and held:
+            pool.free([held.pop(i % len(held))])
+        assert pool.recent_hashes(len(order) + 1) == order[::-1]
+        assert pool.recent_hashes(2) == order[::-1][:2]
+        assert pool.num_free_blocks == sum(1 for b in pool.blocks if b.ref_count == 0)

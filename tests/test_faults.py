@@ -22,7 +22,8 @@ MODEL = "SmolLM2-135M-Instruct"
 
 
 def test_a_replica_killed_mid_stream_ends_the_sse_stream_with_an_error_event(ray_cluster, model_path):
-    config = {"app_name": APP, "model": str(model_path), "served_model_name": MODEL}
+    """With migration off; tests/test_migration.py has the stream move on instead."""
+    config = {"app_name": APP, "model": str(model_path), "served_model_name": MODEL, "max_migrations": 0}
     config["engine_args"] = {"kv_cache_memory_gb": 0.25}
     serve.run(build_app(config), name=APP, route_prefix=f"/{APP}")
     try:
@@ -54,7 +55,8 @@ def stream_completion(url: str, body: dict) -> dict:
     and how it ended (finish reason, or the error event)."""
     chunks, tokens, end = 0, None, None
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-    with httpx.stream("POST", url, json=body, timeout=120) as response:
+    # Generous: with one request running per replica, a request can wait behind several.
+    with httpx.stream("POST", url, json=body, timeout=300) as response:
         if response.status_code != 200:
             return {
                 "status": response.status_code,
@@ -78,9 +80,10 @@ def stream_completion(url: str, body: dict) -> dict:
 
 def test_a_replica_kill_retries_queued_requests_and_leaks_nothing(ray_cluster, model_path):
     """Two replicas that run one request at a time, eight requests: a replica running
-    one with others queued is killed. That fails only the request it was streaming; its
-    queued ones had produced nothing and finish on the other replica. Serve starts a
-    replacement, the coordinator forgets the dead replica, and no block stays taken."""
+    one with others queued is killed. The request it was streaming moves to the other
+    replica (migration); its queued ones had produced nothing and are sent there again.
+    All eight finish whole. Serve starts a replacement, the coordinator forgets the
+    dead replica, and no block stays taken."""
     app = "fault-retry"
     config = {"app_name": app, "model": str(model_path), "served_model_name": MODEL, "replicas": 2}
     config["engine_args"] = {"num_kv_blocks": 256, "max_num_seqs": 1}
@@ -89,7 +92,7 @@ def test_a_replica_kill_retries_queued_requests_and_leaks_nothing(ray_cluster, m
         url = f"http://127.0.0.1:{SERVE_HTTP_PORT}/{app}/v1/completions"
         # Long enough answers that the queues stay full for seconds, however fast the
         # engine or slow the machine.
-        max_tokens = 192
+        max_tokens = 128
         body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True}
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             futures = [pool.submit(stream_completion, url, body) for _ in range(8)]
@@ -114,11 +117,8 @@ def test_a_replica_kill_retries_queued_requests_and_leaks_nothing(ray_cluster, m
             ray.kill(ray.get_actor(f"SERVE_REPLICA::{app}#LLMServer#{victim}", namespace="serve"))
             results = [f.result() for f in futures]
 
-        failed = [r for r in results if r["end"] != "length"]
-        assert len(failed) == 1, results  # the one the dead replica was streaming
-        assert failed[0]["status"] == 200 and failed[0]["chunks"] > 0
-        assert failed[0]["end"]["code"] == 503
-        assert all(r["tokens"] == max_tokens for r in results if r["end"] == "length")
+        assert all(r["status"] == 200 and r["end"] == "length" for r in results), results
+        assert all(r["tokens"] == max_tokens for r in results), results
 
         def replaced_and_idle() -> bool:
             snapshot = coordinator_snapshot(app)

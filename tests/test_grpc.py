@@ -245,8 +245,10 @@ def test_unauthenticated_without_the_key(ray_cluster, model_path):
 
 def test_resource_exhausted_and_unavailable(ray_cluster, model_path):
     """One replica that takes one request at a time and queues one more: a third
-    concurrent request is refused. Then the replica is killed mid-stream."""
-    deploy("grpc-busy", model=str(model_path), max_ongoing_requests=1, max_queued_requests=1)
+    concurrent request is refused. Then the replica is killed mid-stream, with migration
+    off (tests/test_migration.py has the stream move on instead)."""
+    settings = {"max_ongoing_requests": 1, "max_queued_requests": 1, "max_migrations": 0}
+    deploy("grpc-busy", model=str(model_path), **settings)
     try:
         stub = pb_grpc.LLMStub(grpc.insecure_channel(f"127.0.0.1:{SERVE_GRPC_PORT}"))
         long = pb.GenerateRequest(model=MODEL, prompt=PROMPT, params=greedy(max_tokens=2000, ignore_eos=True))

@@ -69,15 +69,21 @@ def test_net_free_blocks_reserves_the_whole_answer():
     assert net_free_blocks(RoutedRequest(prompt, 64, 3), view(free=40), 0) == (22, 0)
 
 
-def test_a_prefix_counts_only_up_to_the_first_missing_block():
+def test_a_prefix_counts_up_to_the_deepest_reported_block():
+    """Hashes are chained: a reported block vouches for every block before it, even
+    ones the bounded report left out (it once stopped at the first missing block, so a
+    shared prompt whose first blocks aged out of the report scored nothing)."""
     prompt = list(range(200, 280))
     hashes = hash_full_blocks(prompt[:-1], 16)
-    assert (
-        net_free_blocks(RoutedRequest(prompt, 1), view(free=32, cached=[hashes[0], hashes[2], hashes[3]]), 0)[
-            1
-        ]
-        == 1
-    )
+    assert len(hashes) == 4
+
+    def hits(cached: list[bytes]) -> int:
+        return net_free_blocks(RoutedRequest(prompt, 1), view(free=32, cached=cached), 0)[1]
+
+    assert hits([hashes[0], hashes[2], hashes[3]]) == 4
+    assert hits([hashes[0], hashes[2]]) == 3
+    assert hits([hashes[1]]) == 2
+    assert hits(hash_full_blocks(list(range(300, 380)), 16)) == 0  # another prompt's blocks
 
 
 def test_much_more_room_beats_a_cached_prefix():

@@ -17,15 +17,26 @@ from replica.attention.context import get_forward_context
 from replica.cpu import ops
 
 
+def can_pack(dtype: torch.dtype) -> bool:
+    """oneDNN reorders bf16 weights only on CPUs with AVX512 (BW, VL, DQ) or AVX-NE-CONVERT."""
+    return dtype == torch.float32 or (
+        dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
+
+
 class PackedLinear(nn.Module):
-    """y = x W^T + b with W reordered once for oneDNN; a drop-in for nn.Linear."""
+    """y = x W^T + b with W reordered once for oneDNN; a drop-in for nn.Linear. Where
+    oneDNN cannot pack the weight's dtype on this CPU, it stays a plain F.linear."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        # The reorder takes a batch-size hint; decode batches are what runs most often.
-        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64))
         self.bias = None if bias is None else bias.detach()
+        self.weight, packed = weight.detach(), None
+        if can_pack(weight.dtype):
+            # The reorder takes a batch-size hint; decode batches are what runs most often.
+            self.weight, packed = None, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
+        self.register_buffer("packed", packed)
 
     @classmethod
     def concat(cls, linears: list[nn.Linear]) -> "PackedLinear":
@@ -37,6 +48,8 @@ class PackedLinear(nn.Module):
         return cls(weight, torch.cat(biases))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return nn.functional.linear(x, self.weight, self.bias)
         flat = x.reshape(-1, self.in_features)
         y = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
         return y.view(*x.shape[:-1], self.out_features)

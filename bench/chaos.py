@@ -1,0 +1,308 @@
+"""Chaos run, like Ray's serve_failure release test, bounded and on loopback: steady
+streaming load through the openai client on a Serve app of several replicas, while a
+random LLMServer replica is killed every few seconds, and once each the coordinator,
+the HTTP proxy and the ingress replica.
+
+Counted: requests answered in full, migrated (from /metrics), errors by kind, 5xx,
+errors outside the outage of the proxy or the ingress (from just before the kill until
+the component answered again: the requests in flight through it die with it, and new
+connections are refused until it is back), blocks free at the end, and recovery time
+after each kill.
+
+    python bench/chaos.py                    # -> bench/results/chaos_cpu.json
+    python bench/chaos.py --duration 30      # shorter
+
+tests/test_chaos.py runs a short version in CI through `run_chaos`.
+"""
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import re
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import httpx  # noqa: E402
+import openai  # noqa: E402
+import ray  # noqa: E402
+from ray import serve  # noqa: E402
+
+from deployments.app import build_app  # noqa: E402
+from router.coordinator import coordinator_address  # noqa: E402
+
+MODEL = "chaos-model"
+PROMPTS = [f"Request {i}: tell me about the sea and the ships on it." for i in range(32)]
+
+
+@dataclass
+class Outcome:
+    started: float
+    ended: float
+    status: str  # "ok", or the error's kind
+    http_status: int | None = None  # of a failed request, where there was one
+
+
+@dataclass
+class Kill:
+    target: str  # "replica", "coordinator", "proxy" or "ingress"
+    at: float
+    recovered_after_s: float | None = None  # None: not back within the time allowed
+
+
+@dataclass
+class ChaosReport:
+    duration_s: float
+    replicas: int
+    clients: int
+    max_tokens: int
+    requests: int = 0
+    answered_in_full: int = 0
+    migrated: float = 0.0
+    errors_by_kind: dict[str, int] = field(default_factory=dict)
+    http_5xx: int = 0
+    errors_outside_proxy_or_ingress_outages: int = 0
+    lost: int = 0  # neither answered nor failed with an error in time
+    blocks_free_at_end: bool = False
+    kills: list[Kill] = field(default_factory=list)
+
+    @property
+    def max_recovery_s(self) -> float | None:
+        times = [k.recovered_after_s for k in self.kills]
+        return None if None in times or not times else max(times)
+
+
+def snapshot(app: str) -> dict[str, dict]:
+    namespace, name = coordinator_address(app)
+    try:
+        return ray.get(ray.get_actor(name, namespace=namespace).snapshot.remote(), timeout=5)
+    except Exception:
+        return {}
+
+
+def _client_loop(base_url: str, max_tokens: int, stop: threading.Event, outcomes: list[Outcome]) -> None:
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="-", max_retries=0, timeout=120)
+    rng = random.Random(threading.get_ident())
+    while not stop.is_set():
+        started = time.monotonic()
+        try:
+            stream = client.completions.create(
+                model=MODEL,
+                prompt=rng.choice(PROMPTS),
+                max_tokens=max_tokens,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            )
+            tokens = None
+            for chunk in stream:
+                if chunk.usage is not None:
+                    tokens = chunk.usage.completion_tokens
+            ok = tokens == max_tokens
+            outcomes.append(Outcome(started, time.monotonic(), "ok" if ok else "short answer"))
+        except openai.APIStatusError as e:
+            outcomes.append(Outcome(started, time.monotonic(), "http error", e.status_code))
+        except openai.APITimeoutError:
+            outcomes.append(Outcome(started, time.monotonic(), "timeout"))
+        except openai.APIError as e:  # connection refused or dropped, an error event mid-stream
+            kind = "error event" if "replica unavailable" in str(e) else type(e).__name__
+            outcomes.append(Outcome(started, time.monotonic(), kind))
+            time.sleep(0.2)  # a client backs off before it retries
+
+
+def _serve_actor(prefix: str):
+    """The one live Serve actor whose name starts with `prefix`."""
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["namespace"] == "serve" and actor["name"].startswith(prefix):
+            return ray.get_actor(actor["name"], namespace="serve")
+    raise LookupError(prefix)
+
+
+def _wait(condition, timeout_s: float) -> float | None:
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        try:
+            if condition():
+                return time.monotonic() - started
+        except Exception:
+            pass
+        time.sleep(0.1)
+    return None
+
+
+def _serving(base_url: str) -> bool:
+    reply = httpx.post(
+        f"{base_url}/v1/completions",
+        json={"model": MODEL, "prompt": "Hi", "max_tokens": 1},
+        timeout=10,
+    )
+    return reply.status_code == 200
+
+
+def _kill(app: str, target: str, replicas: int, base_url: str, recover_s: float) -> Kill:
+    """Kill one component, then time how long until it is back."""
+    before = set(snapshot(app))
+    if target == "replica":
+        victim = random.choice(sorted(before))
+        ray.kill(ray.get_actor(f"SERVE_REPLICA::{app}#LLMServer#{victim}", namespace="serve"))
+
+        def back() -> bool:
+            now = snapshot(app)
+            return len(now) == replicas and victim not in now
+
+    elif target == "coordinator":
+        namespace, name = coordinator_address(app)
+        ray.kill(ray.get_actor(name, namespace=namespace))
+
+        def back() -> bool:
+            return len(snapshot(app)) == replicas
+
+    else:
+        prefix = "SERVE_PROXY_ACTOR" if target == "proxy" else f"SERVE_REPLICA::{app}#OpenAIIngress"
+        ray.kill(_serve_actor(prefix))
+
+        def back() -> bool:
+            return _serving(base_url)
+
+    kill = Kill(target, time.monotonic())
+    time.sleep(0.5)  # let the death be noticed before asking whether it is over
+    waited = _wait(back, recover_s)
+    kill.recovered_after_s = None if waited is None else round(waited + 0.5, 2)
+    return kill
+
+
+def _migrations(base_url: str) -> float:
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    found = re.search(r"^kvserve:request_migrations_total\{[^}]*\} (\S+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def run_chaos(
+    model_path: str | None,
+    http_port: int,
+    app: str = "chaos",
+    replicas: int = 3,
+    clients: int = 6,
+    duration_s: float = 120.0,
+    kill_every_s: float = 8.0,
+    max_tokens: int = 48,
+    engine_args: dict | None = None,
+    recover_s: float = 60.0,
+) -> ChaosReport:
+    """On a running Ray and Serve (HTTP on `http_port`): deploy, load, kill, count, undeploy.
+    Replica kills go on every kill_every_s; the coordinator, proxy and ingress are each
+    killed once, spread over the run."""
+    config = {
+        "app_name": app,
+        "model": model_path,
+        "served_model_name": MODEL,
+        "replicas": replicas,
+        "engine_args": engine_args or {},
+    }
+    serve.run(build_app(config), name=app, route_prefix=f"/{app}")
+    base_url = f"http://127.0.0.1:{http_port}/{app}"
+    report = ChaosReport(duration_s, replicas, clients, max_tokens)
+    try:
+        _wait(lambda: len(snapshot(app)) == replicas, 60)
+        migrated_before = _migrations(base_url)
+        stop, outcomes = threading.Event(), []
+        threads = [
+            threading.Thread(target=_client_loop, args=(base_url, max_tokens, stop, outcomes), daemon=True)
+            for _ in range(clients)
+        ]
+        for t in threads:
+            t.start()
+        started = time.monotonic()
+        rounds = max(4, int(duration_s // kill_every_s))
+        once = {rounds // 4: "coordinator", rounds // 2: "proxy", 3 * rounds // 4: "ingress"}
+        for i in range(rounds):
+            time.sleep(max(0.0, started + (i + 1) * kill_every_s - time.monotonic()))
+            target = once.get(i, "replica")
+            if target == "ingress":  # its counters die with it: bank them first
+                report.migrated += _migrations(base_url) - migrated_before
+                migrated_before = 0.0
+            report.kills.append(_kill(app, target, replicas, base_url, recover_s))
+        stop.set()
+        for t in threads:
+            t.join(timeout=150)
+        report.lost = sum(t.is_alive() for t in threads)
+        report.requests = len(outcomes)
+        report.answered_in_full = sum(o.status == "ok" for o in outcomes)
+        failed = [o for o in outcomes if o.status != "ok"]
+        report.errors_by_kind = dict(Counter(o.status for o in failed))
+        report.http_5xx = sum(o.http_status is not None and o.http_status >= 500 for o in failed)
+        outages = [
+            (k.at - 1.0, k.at + (k.recovered_after_s or duration_s) + 1.0)
+            for k in report.kills
+            if k.target in ("proxy", "ingress")
+        ]
+        report.errors_outside_proxy_or_ingress_outages = sum(
+            not any(o.started <= end and o.ended >= start for start, end in outages) for o in failed
+        )
+        report.migrated += _migrations(base_url) - migrated_before
+
+        def all_free() -> bool:
+            replicas_now = snapshot(app)
+            idle = [
+                s["num_free_blocks"] == s["num_total_blocks"] and not (s["num_running"] or s["num_waiting"])
+                for s in replicas_now.values()
+            ]
+            return len(idle) == replicas and all(idle)
+
+        report.blocks_free_at_end = _wait(all_free, 30) is not None
+    finally:
+        serve.delete(app)
+        namespace, name = coordinator_address(app)
+        with contextlib.suppress(ValueError):  # already gone
+            ray.kill(ray.get_actor(name, namespace=namespace))
+    return report
+
+
+def main() -> None:
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
+    parser.add_argument("--duration", type=float, default=120.0)
+    parser.add_argument("--replicas", type=int, default=3)
+    parser.add_argument("--clients", type=int, default=6)
+    parser.add_argument("--kill-every", type=float, default=8.0)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "chaos_cpu.json"))
+    args = parser.parse_args()
+    port = 18531
+    ray.init(num_cpus=2, include_dashboard=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    report = run_chaos(
+        None,
+        port,
+        replicas=args.replicas,
+        clients=args.clients,
+        duration_s=args.duration,
+        kill_every_s=args.kill_every,
+        max_tokens=args.max_tokens,
+        engine_args={"dtype": args.dtype},
+    )
+    serve.shutdown()
+    ray.shutdown()
+    result = {
+        "bench": "chaos",
+        "machine": {"cpus": os.cpu_count()},
+        "single_run": True,
+        **asdict(report),
+        "max_recovery_s": report.max_recovery_s,
+    }
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
