@@ -1,11 +1,14 @@
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
 import openai
+import psutil
 import pytest
 from conftest import HUB_ID
 
@@ -35,40 +38,156 @@ def test_bad_model_is_a_clear_error(tmp_path):
     assert "not found" in result.stderr
 
 
-def test_serve_answers_then_shuts_down_cleanly(tmp_path, hf_hub_cache):
-    """A model named by hub id, from an HF cache with no network (HF_HUB_OFFLINE)."""
-    port, grpc_port = 18477, 18478
-    env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_ADDRESS="local", KVSERVE_API_KEYS="secret-1")
-    env["HF_HUB_CACHE"] = str(hf_hub_cache)
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "deployments.cli",
-            "serve",
-            "--model",
-            HUB_ID,
-            "--port",
-            str(port),
+class _Serve:
+    """`kvserve serve` in a child process with its own local Ray (RAY_ADDRESS=local); a
+    thread reads its output, so that a full pipe never blocks it."""
+
+    def __init__(self, port: int, grpc_port: int, *args: str, env: dict[str, str] | None = None):
+        command = [sys.executable, "-m", "deployments.cli", "serve", "--port", str(port)]
+        command += [
             "--grpc-port",
             str(grpc_port),
             "--dtype",
             "float32",
             "--kv-cache-memory-gb",
             "0.25",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-    )
+            *args,
+        ]
+        env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_ADDRESS="local", **(env or {}))
+        self.proc = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        )
+        self.url = f"http://127.0.0.1:{port}/v1"
+        self.lines: list[str] = []
+        self.banner = ""
+        self._serving = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if line.startswith("kvserve is serving"):
+                self.banner = line
+                self._serving.set()
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_serving(self) -> str:
+        """The served model's name, from the banner."""
+        deadline = time.monotonic() + 240
+        while not self._serving.wait(1.0) and time.monotonic() < deadline and self.proc.poll() is None:
+            pass
+        assert self.banner, self.output
+        return self.banner.split()[3]
+
+    def stop(self, *signals: signal.Signals, to_all: bool = False) -> tuple[int, float, list[psutil.Process]]:
+        """Sends the first signal (to every process of the server with `to_all`, as systemd
+        does), each further one 1 s later if it still runs; returns its exit code, how long
+        it took, and the processes it had started that are still alive."""
+        started = psutil.Process(self.proc.pid).children(recursive=True)
+        names = set()
+        for p in started:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                names.add(p.name())
+        assert {"raylet", "gcs_server"} <= names  # it started a local Ray
+        t0 = time.monotonic()
+        for p in [psutil.Process(self.proc.pid), *started] if to_all else [self.proc]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.send_signal(signals[0])
+        for signum in signals[1:]:
+            time.sleep(1.0)
+            if self.proc.poll() is None:
+                self.proc.send_signal(signum)
+        code = self.proc.wait(timeout=90)  # a hang, not a speed bound
+        seconds = time.monotonic() - t0
+        _, alive = psutil.wait_procs(started, timeout=5)
+        left = [p for p in alive if _running(p)]
+        for p in left:
+            p.kill()
+        return code, seconds, left
+
+    def kill(self) -> None:
+        """After a failed test: the server and its Ray, not left behind."""
+        if self.proc.poll() is None:
+            for p in [*psutil.Process(self.proc.pid).children(recursive=True), psutil.Process(self.proc.pid)]:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.kill()
+            self.proc.wait()
+
+
+def _running(p: psutil.Process) -> bool:
     try:
-        banner = ""
-        deadline = time.time() + 240
-        while "serving" not in banner and time.time() < deadline and proc.poll() is None:
-            banner = proc.stdout.readline()
-        assert f"serving {HUB_ID}" in banner
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="secret-1", max_retries=0)
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _streams(url: str, model: str, n: int = 4, api_key: str = "unused") -> list[threading.Thread]:
+    """n streaming chat completions long enough to outlast the server, from threads; returns
+    once each has streamed its first chunk."""
+    client = openai.OpenAI(base_url=url, api_key=api_key, max_retries=0, timeout=120)
+    first_chunks = threading.Semaphore(0)
+    failed: list[str] = []
+
+    def stream(i: int) -> None:
+        chunks = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": f"Story {i}, please."}],
+            max_tokens=4000,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        try:
+            for k, _ in enumerate(chunks):
+                if k == 0:
+                    first_chunks.release()
+        except (openai.APIError, OSError):
+            pass  # the server went away mid-stream: what its shutdown does to a stream
+
+    def run(i: int) -> None:
+        try:
+            stream(i)
+        except (openai.APIError, OSError) as e:
+            failed.append(repr(e))
+            first_chunks.release()
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    for _ in threads:
+        assert first_chunks.acquire(timeout=180)
+    assert not failed, failed
+    return threads
+
+
+def _assert_ended_cleanly(server: _Serve, code: int, seconds: float, left: list, threads: list) -> None:
+    """Exit code 0 within the issue's 30 s, no process of its local Ray left, no stream
+    left hanging, and none of the messes shutdown used to print."""
+    output = server.output
+    assert code == 0, output
+    assert seconds < 30, output
+    assert not left, [(p.pid, p.name()) for p in left]
+    for t in threads:
+        t.join(timeout=30)
+        assert not t.is_alive()
+    # Its own lines, not those it forwards from Ray's processes: "(raylet) ...", colored.
+    own = [line for line in server.lines if not line.startswith(("(", "\x1b["))]
+    for mess in ("Traceback", "Aborted", "SIGTERM received at time", "Failed to connect to GCS"):
+        assert not any(mess in line for line in own), output
+
+
+def test_serve_answers_then_shuts_down_cleanly(hf_hub_cache):
+    """A model named by hub id, from an HF cache with no network (HF_HUB_OFFLINE). Then
+    Ctrl-C twice while streams run: the second signal stops it at once, still with exit
+    code 0 and nothing of its Ray left."""
+    port, grpc_port = 18477, 18478
+    env = {"KVSERVE_API_KEYS": "secret-1", "HF_HUB_CACHE": str(hf_hub_cache)}
+    server = _Serve(port, grpc_port, "--model", HUB_ID, env=env)
+    try:
+        assert server.wait_serving() == HUB_ID
+        client = openai.OpenAI(base_url=server.url, api_key="secret-1", max_retries=0)
         out = client.chat.completions.create(
             model=HUB_ID, messages=[{"role": "user", "content": "Say hi."}], max_tokens=8
         )
@@ -79,6 +198,34 @@ def test_serve_answers_then_shuts_down_cleanly(tmp_path, hf_hub_cache):
         metadata = [("application", "kvserve"), ("authorization", "Bearer secret-1")]
         models = stub.ListModels(pb.ListModelsRequest(), metadata=metadata)
         assert [m.id for m in models.models] == [HUB_ID]
+        threads = _streams(server.url, HUB_ID, api_key="secret-1")
+        code, seconds, left = server.stop(signal.SIGINT, signal.SIGINT)
+        _assert_ended_cleanly(server, code, seconds, left, threads)
+        assert "SIGINT again: stopping now" in server.output
     finally:
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=120) == 0
+        server.kill()
+
+
+def test_sigterm_under_load_ends_serve_cleanly():
+    """The SIGTERM that Kubernetes sends (to the server's process only), while streams run."""
+    server = _Serve(18571, 18572)
+    try:
+        model = server.wait_serving()
+        threads = _streams(server.url, model)
+        code, seconds, left = server.stop(signal.SIGTERM)
+        _assert_ended_cleanly(server, code, seconds, left, threads)
+    finally:
+        server.kill()
+
+
+def test_sigterm_to_every_process_ends_serve_cleanly():
+    """systemd's SIGTERM, to every process of the service at once: the local Ray's GCS and
+    raylet go too, and Serve cannot be shut down through them."""
+    server = _Serve(18573, 18574)
+    try:
+        model = server.wait_serving()
+        threads = _streams(server.url, model)
+        code, seconds, left = server.stop(signal.SIGTERM, to_all=True)
+        _assert_ended_cleanly(server, code, seconds, left, threads)
+    finally:
+        server.kill()
