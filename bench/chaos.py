@@ -49,12 +49,13 @@ class Outcome:
     ended: float
     status: str  # "ok", or the error's kind
     http_status: int | None = None  # of a failed request, where there was one
+    message: str = ""  # of a failed request
 
 
 @dataclass
 class Kill:
     target: str  # "replica", "coordinator", "proxy" or "ingress"
-    at: float
+    at: float  # monotonic; in the report, seconds into the run
     recovered_after_s: float | None = None  # None: not back within the time allowed
 
 
@@ -70,6 +71,8 @@ class ChaosReport:
     errors_by_kind: dict[str, int] = field(default_factory=dict)
     http_5xx: int = 0
     errors_outside_proxy_or_ingress_outages: int = 0
+    # Each of those: its kind, message, and when it started and ended (s into the run).
+    unexplained_errors: list[str] = field(default_factory=list)
     lost: int = 0  # neither answered nor failed with an error in time
     blocks_free_at_end: bool = False
     kills: list[Kill] = field(default_factory=list)
@@ -110,12 +113,12 @@ def _client_loop(base_url: str, max_tokens: int, stop: threading.Event, outcomes
             ok = tokens == max_tokens
             outcomes.append(Outcome(started, time.monotonic(), "ok" if ok else "short answer"))
         except openai.APIStatusError as e:
-            outcomes.append(Outcome(started, time.monotonic(), "http error", e.status_code))
+            outcomes.append(Outcome(started, time.monotonic(), "http error", e.status_code, str(e)))
         except openai.APITimeoutError:
             outcomes.append(Outcome(started, time.monotonic(), "timeout"))
         except openai.APIError as e:  # connection refused or dropped, an error event mid-stream
             kind = "error event" if "replica unavailable" in str(e) else type(e).__name__
-            outcomes.append(Outcome(started, time.monotonic(), kind))
+            outcomes.append(Outcome(started, time.monotonic(), kind, message=str(e)))
             time.sleep(0.2)  # a client backs off before it retries
 
 
@@ -245,9 +248,17 @@ def run_chaos(
             for k in report.kills
             if k.target in ("proxy", "ingress")
         ]
-        report.errors_outside_proxy_or_ingress_outages = sum(
-            not any(o.started <= end and o.ended >= start for start, end in outages) for o in failed
-        )
+        unexplained = [
+            o for o in failed if not any(o.started <= end and o.ended >= start for start, end in outages)
+        ]
+        report.errors_outside_proxy_or_ingress_outages = len(unexplained)
+        report.unexplained_errors = [
+            f"{o.status} {o.http_status or ''} {o.message[:200]!r}, "
+            f"from {o.started - started:.1f} s to {o.ended - started:.1f} s"
+            for o in unexplained
+        ]
+        for k in report.kills:
+            k.at = round(k.at - started, 2)  # s into the run, like the errors
         report.migrated += _migrations(base_url) - migrated_before
 
         def all_free() -> bool:

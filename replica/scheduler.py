@@ -114,7 +114,8 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_computed
             if request.num_preemptions == 0:
-                request.num_cached_tokens = num_computed
+                # A resumed request (migration) can also find its earlier output cached.
+                request.num_cached_tokens = min(num_computed, request.num_prompt_tokens)
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, n))
             budget -= n

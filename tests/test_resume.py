@@ -52,6 +52,9 @@ def test_a_resumed_request_goes_on_exactly_where_the_first_left_off(llm_fp32, ca
         assert rest["final"].num_output_tokens == params.max_tokens  # usage counts them once
         assert rest["final"].output.token_ids == full["tokens"]
         assert rest["final"].output.text == full["text"]
+        # The first run left prompt and output in the prefix cache; only the prompt's
+        # part counts as cached prompt tokens (ingress metrics take the difference).
+        assert rest["final"].num_cached_tokens <= rest["final"].num_prompt_tokens
 
 
 def test_resumed_requests_go_on_exactly_inside_a_batch(llm_fp32):
