@@ -55,7 +55,7 @@ class Outcome:
 @dataclass
 class Kill:
     target: str  # "replica", "coordinator", "proxy" or "ingress"
-    at: float  # monotonic; in the report, seconds into the run
+    at: float  # seconds into the run
     recovered_after_s: float | None = None  # None: not back within the time allowed
 
 
@@ -151,7 +151,7 @@ def _serving(base_url: str) -> bool:
     return reply.status_code == 200
 
 
-def _kill(app: str, target: str, replicas: int, base_url: str, recover_s: float) -> Kill:
+def _kill(app: str, target: str, replicas: int, base_url: str, recover_s: float, run_started: float) -> Kill:
     """Kill one component, then time how long until it is back."""
     before = set(snapshot(app))
     if target == "replica":
@@ -176,7 +176,7 @@ def _kill(app: str, target: str, replicas: int, base_url: str, recover_s: float)
         def back() -> bool:
             return _serving(base_url)
 
-    kill = Kill(target, time.monotonic())
+    kill = Kill(target, round(time.monotonic() - run_started, 2))
     time.sleep(0.5)  # let the death be noticed before asking whether it is over
     waited = _wait(back, recover_s)
     kill.recovered_after_s = None if waited is None else round(waited + 0.5, 2)
@@ -233,7 +233,7 @@ def run_chaos(
             if target == "ingress":  # its counters die with it: bank them first
                 report.migrated += _migrations(base_url) - migrated_before
                 migrated_before = 0.0
-            report.kills.append(_kill(app, target, replicas, base_url, recover_s))
+            report.kills.append(_kill(app, target, replicas, base_url, recover_s, started))
         stop.set()
         for t in threads:
             t.join(timeout=150)
@@ -244,7 +244,7 @@ def run_chaos(
         report.errors_by_kind = dict(Counter(o.status for o in failed))
         report.http_5xx = sum(o.http_status is not None and o.http_status >= 500 for o in failed)
         outages = [
-            (k.at - 1.0, k.at + (k.recovered_after_s or duration_s) + 1.0)
+            (started + k.at - 1.0, started + k.at + (k.recovered_after_s or duration_s) + 1.0)
             for k in report.kills
             if k.target in ("proxy", "ingress")
         ]
@@ -257,8 +257,6 @@ def run_chaos(
             f"from {o.started - started:.1f} s to {o.ended - started:.1f} s"
             for o in unexplained
         ]
-        for k in report.kills:
-            k.at = round(k.at - started, 2)  # s into the run, like the errors
         report.migrated += _migrations(base_url) - migrated_before
 
         def all_free() -> bool:
