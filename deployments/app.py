@@ -2,7 +2,7 @@
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ray.serve import Application
 from ray.serve.config import (
     AutoscalingConfig,
@@ -15,6 +15,7 @@ from deployments.autoscaling import KVPressurePolicy
 from replica.deployment import LLMServer
 from replica.llm import load_chat_template
 from replica.model_loader import BUNDLED_NAME, is_hub_id
+from replica.parallel.workers import replica_bundles
 from replica.versions import running_versions
 from router.body_limit import DEFAULT_MAX_REQUEST_BYTES
 from router.coordinator import coordinator_address
@@ -80,6 +81,19 @@ class AppConfig(BaseModel):
     # the name of one that ships with kvserve ("chatml_tools": ChatML with Hermes tools).
     chat_template: str | None = None
 
+    @model_validator(mode="after")
+    def _one_gpu_per_rank(self) -> "AppConfig":
+        if self.tensor_parallel_size > 1 and self.num_gpus_per_replica not in (0, 1):
+            raise ValueError(
+                "with tensor_parallel_size > 1, num_gpus_per_replica is per rank: 1 (one GPU each) "
+                f"or 0 (CPU), got {self.num_gpus_per_replica}"
+            )
+        return self
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return int(self.engine_args.get("tensor_parallel_size", 1))
+
     @property
     def model_name(self) -> str:
         if self.served_model_name:
@@ -102,6 +116,14 @@ def build_app(config: AppConfig | dict) -> Application:
         options["num_replicas"] = config.replicas
     else:
         options["autoscaling_config"] = autoscaling_config(config.autoscaling)
+    if config.tensor_parallel_size > 1:
+        # One bundle per rank, on one node: the replica (rank 0) runs in the first and
+        # starts its workers in the others (replica/parallel/workers.py). Serve reserves
+        # them with the replica, so autoscaling and routing count one replica.
+        options["placement_group_bundles"] = replica_bundles(
+            config.tensor_parallel_size, config.num_gpus_per_replica > 0, config.num_cpus_per_replica
+        )
+        options["placement_group_strategy"] = "STRICT_PACK"
     llm = LLMServer.options(
         max_ongoing_requests=config.max_ongoing_requests,
         max_queued_requests=config.max_queued_requests,

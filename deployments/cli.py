@@ -24,6 +24,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     model_args.add_argument("--revision", default=None, help="of a hub id: branch, tag or commit")
     model_args.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    model_args.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="devices (GPUs, or CPU processes) each replica's model is split over",
+    )
 
     gen = commands.add_parser(
         "generate", parents=[model_args], help="generate text offline and stream it to the terminal"
@@ -126,6 +132,7 @@ def _batch(args: argparse.Namespace) -> int:
                 "revision": args.revision,
                 "dtype": args.dtype,
                 "kv_cache_memory_gb": args.kv_cache_memory_gb,
+                "tensor_parallel_size": args.tensor_parallel_size,
             },
             min_replicas=args.min_replicas,
             max_replicas=args.max_replicas,
@@ -150,11 +157,17 @@ def _batch(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from replica import LLM, SamplingParams
     from replica.model_loader import ModelNotFoundError
+    from replica.parallel.workers import WorkerError
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-        llm = LLM(args.model, dtype=args.dtype, revision=args.revision)
-    except (ValueError, ModelNotFoundError) as e:
+        llm = LLM(
+            args.model,
+            dtype=args.dtype,
+            revision=args.revision,
+            tensor_parallel_size=args.tensor_parallel_size,
+        )
+    except (ValueError, ModelNotFoundError, WorkerError) as e:
         print(f"kvserve: error: {e}", file=sys.stderr)
         return 2
     engine = llm.engine
@@ -187,6 +200,25 @@ def _cpu_cores(spec: str, replicas: int) -> str | list[int] | None:
     except ValueError:
         message = f'--cpu-cores takes "auto", "none" or core numbers like "2,3", got {spec!r}'
         raise ValueError(message) from None
+
+
+def _with_gpus(config):
+    """With tensor parallelism on a Ray that has GPUs, each rank takes one GPU, and a
+    replica must find its ranks' GPUs on one node. (Without it a replica asks for no GPU,
+    as before: replicas of a small model may share one.)"""
+    import ray
+
+    if config.tensor_parallel_size == 1:
+        return config
+    per_node = [node["Resources"].get("GPU", 0) for node in ray.nodes() if node["Alive"]]
+    if not max(per_node, default=0):
+        return config
+    if max(per_node) < config.tensor_parallel_size:
+        raise ValueError(
+            f"--tensor-parallel-size {config.tensor_parallel_size} needs that many GPUs on one node; "
+            f"the nodes have {sorted(per_node, reverse=True)}"
+        )
+    return config.model_copy(update={"num_gpus_per_replica": 1})
 
 
 SHUTDOWN_TIMEOUT_S = 25.0
@@ -338,6 +370,7 @@ class _Server:
                     "dtype": args.dtype,
                     "kv_cache_memory_gb": args.kv_cache_memory_gb,
                     "cpu_cores": _cpu_cores(args.cpu_cores, args.replicas),
+                    "tensor_parallel_size": args.tensor_parallel_size,
                 },
             )
         except ValueError as e:
@@ -361,6 +394,11 @@ class _Server:
             self.ray_started = True
         if self.stopping.requested.is_set():
             return 0
+        try:
+            config = _with_gpus(config)
+        except ValueError as e:
+            print(f"kvserve: error: {e}", file=sys.stderr)
+            return 2
         serve.start(
             http_options={"host": config.host, "port": config.port},
             grpc_options={"port": config.grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]},

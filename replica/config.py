@@ -22,6 +22,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     max_model_len: int | None = None  # default: the model's, clipped to the KV capacity
+    # Devices one replica's model is split over (replica/parallel/): rank 0 in the replica's
+    # process, the others in Ray actors of its placement group. NCCL on GPUs, gloo on CPU.
+    tensor_parallel_size: int = 1
     enable_prefix_caching: bool = True
     scheduling_policy: str = "continuous"
     # auto: flash_attn > triton > torch on CUDA (each if installed); on CPU, kvserve's C
@@ -46,7 +49,13 @@ class EngineConfig:
     cpu_cores: str | list[int] | None = None
 
     def __post_init__(self) -> None:
-        positive = ("block_size", "max_num_batched_tokens", "max_num_seqs", "cuda_graph_max_batch")
+        positive = (
+            "block_size",
+            "max_num_batched_tokens",
+            "max_num_seqs",
+            "cuda_graph_max_batch",
+            "tensor_parallel_size",
+        )
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -117,6 +117,7 @@ class LLMServer:
         return {
             "node_id": self.node_id,
             "device": self.engine.runner.device.type,
+            "tensor_parallel_size": self.engine.config.tensor_parallel_size,
             "block_size": self.engine.config.block_size,
             "max_model_len": self.engine.max_model_len,
             "max_waiting": self.engine.config.max_waiting,
@@ -174,9 +175,13 @@ class LLMServer:
             except Exception:
                 coordinator = None
 
-    def check_health(self) -> None:
+    async def check_health(self) -> None:
+        """Serve replaces a replica whose check raises: its engine thread has stopped,
+        or one of its tensor-parallel workers is gone (its steps fail from then on)."""
         if not self._engine.is_alive():
             raise RuntimeError("the engine thread stopped")
+        if self.engine.runner.workers is not None:
+            await self.engine.runner.workers.check_alive()
 
     async def _call_engine(self, fn, *args):
         self._loop = asyncio.get_running_loop()

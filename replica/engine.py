@@ -57,7 +57,12 @@ class Engine:
         self.config = config
         self.model_path = resolve_model(config.model, config.revision)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        self.runner = ModelRunner(config, self.model_path)
+        if config.tensor_parallel_size == 1:
+            self.runner = ModelRunner(config, self.model_path)
+        else:
+            from replica.parallel.workers import start_tensor_parallel  # Ray, only where needed
+
+            self.runner = start_tensor_parallel(config, self.model_path)
         # The attention backend may change the block size (flash-attn pages are multiples of
         # 256); everything downstream (KV manager, stats, routing) uses the runner's.
         self.config = config = replace(config, block_size=self.runner.block_size)
@@ -270,7 +275,7 @@ class Engine:
             rows, sources = zip(*pending, strict=True)
             device = self.runner.device
             previous = self._in_flight.sampled.token_ids
-            fill = (torch.tensor(rows, device=device), previous[torch.tensor(sources, device=device)])
+            fill = (list(rows), previous[torch.tensor(sources, device=device)])
         logits = self.runner.execute(
             token_ids=token_ids,
             context_lens=[s.context_len for s in items],

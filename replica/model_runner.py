@@ -3,10 +3,16 @@ tokens into one 1 x T forward, and return logits only for the rows that sample.
 
 On CUDA, pure-decode steps replay captured CUDA graphs (cuda_graphs.py) and the KV cache
 takes what `gpu_memory_utilization` leaves after the weights and a profiled worst step.
+
+With tensor parallelism every rank runs a ModelRunner over its shard of the model
+(replica/parallel/). Rank 0's, in the replica's own process, first sends each step to
+the other ranks (`workers`); all ranks then run the same forward, whose collectives
+join them, and only rank 0 gets logits.
 """
 
 import itertools
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -28,12 +34,17 @@ from replica.config import EngineConfig
 from replica.cpu.decoder import optimize_for_cpu
 from replica.cuda_graphs import DecodeGraphRunner
 from replica.model_loader import ModelNotFoundError
+from replica.parallel.group import TPGroup
+from replica.parallel.sharding import shard_model
+
+if TYPE_CHECKING:
+    from replica.parallel.workers import WorkerSet
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Decode rows whose input token is still on the device: (row indices, token ids).
-Fill = tuple[torch.Tensor, torch.Tensor]
+Fill = tuple[list[int], torch.Tensor]
 
 
 def resolve_device(device: str) -> torch.device:
@@ -75,7 +86,16 @@ def _transformers_decoder(decoder: torch.nn.Module):
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_path):
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_path,
+        group: TPGroup | None = None,
+        workers: "WorkerSet | None" = None,
+    ):
+        """group: this rank's tensor-parallel group (None: the whole model here).
+        workers: on rank 0, the other ranks, which every step is sent to."""
+        self.group, self.workers = group, workers
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         installed = installed_kernel_packages()
@@ -105,20 +125,25 @@ class ModelRunner:
             raise ModelNotFoundError(
                 f"{type(self.model).__name__} does not support custom attention backends"
             )
+        hf = self.model.config
+        num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+        if group is not None:
+            num_kv_heads = shard_model(self.model, group).num_kv  # before packing, on the host
         self.model.to(self.device).eval()
         fused = optimize_for_cpu(self.model) if name == CPU_KERNELS else None
         # (input_ids [1, T], position_ids [1, T]) -> final hidden states [1, T, E]
         self.run_decoder = fused or _transformers_decoder(self.model.get_decoder())
         self.lm_head = self.model.get_output_embeddings()
 
-        hf = self.model.config
         self.hf_config = hf
         self.num_layers = hf.num_hidden_layers
-        self.num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+        self.num_kv_heads = num_kv_heads  # this rank's
         self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         self.vocab_size = hf.vocab_size
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = config.num_kv_blocks or self._size_kv_cache(config)
+        if group is not None:  # every rank's cache must hold the blocks the scheduler hands out
+            self.num_blocks = group.min(self.num_blocks, self.device)
         # One block more than the pool hands out: padded rows of graph batches write there.
         self.scratch_block = self.num_blocks
         self.kv_caches = self._allocate_kv_cache(self.num_blocks + 1)
@@ -196,7 +221,9 @@ class ModelRunner:
             token_ids = [[0] * n for n in lens]
             hidden = self._forward_packed(token_ids, lens, tables)
             rows = min(config.max_num_seqs, hidden.shape[1])
-            self.lm_head(hidden[0, :rows]).float().softmax(dim=-1)
+            logits = self.lm_head(hidden[0, :rows])  # None on tensor-parallel ranks but the first
+            if logits is not None:
+                logits.float().softmax(dim=-1)
             torch.cuda.synchronize(self.device)
         finally:
             self.kv_caches = []
@@ -236,6 +263,17 @@ class ModelRunner:
         position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)
         return self._forward(input_ids, position_ids, meta)
 
+    def _share_fill(self, fill: Fill | None, fill_rows: list[int] | None) -> Fill | None:
+        """Rank 0's device-held tokens, broadcast to the ranks that only know their rows."""
+        if self.group.rank == 0:
+            if fill is not None:
+                self.group.broadcast(fill[1].contiguous())
+            return fill
+        if not fill_rows:
+            return None
+        tokens = torch.empty(len(fill_rows), dtype=torch.long, device=self.device)
+        return fill_rows, self.group.broadcast(tokens)
+
     @torch.inference_mode()
     def execute(
         self,
@@ -244,13 +282,20 @@ class ModelRunner:
         block_tables: list[list[int]],
         sample_rows: list[int],
         fill: Fill | None = None,
-    ) -> torch.Tensor:
+        fill_rows: list[int] | None = None,
+    ) -> torch.Tensor | None:
         """One packed forward. Row i feeds token_ids[i] as the last tokens of a context of
         context_lens[i]; rows must be ordered decodes first. `fill` gives decode rows whose
-        token is still on the device (async scheduling): (row indices, token ids), both
-        device tensors; their entries in token_ids are placeholders. Returns logits
+        token is still on the device (async scheduling): (row indices, token ids on the
+        device); their entries in token_ids are placeholders. Returns logits
         [len(sample_rows), V], in the model's dtype, for the last token of each row in
-        sample_rows."""
+        sample_rows; None on tensor-parallel ranks other than 0, which are given the rows
+        of `fill` as `fill_rows` and receive its tokens from rank 0."""
+        if self.workers is not None:
+            rows = fill[0] if fill is not None else None
+            self.workers.execute(token_ids, context_lens, block_tables, sample_rows, rows)
+        if self.group is not None:
+            fill = self._share_fill(fill, fill_rows)
         query_lens = [len(t) for t in token_ids]
         pure_decode = all(q == 1 for q in query_lens)
         if self.graphs is not None and pure_decode and self.graphs.can_run(len(token_ids)):
@@ -262,7 +307,7 @@ class ModelRunner:
         if not sample_rows:
             return hidden.new_empty((0, self.vocab_size))
         rows = [last_rows[i] for i in sample_rows]
-        if rows == list(range(hidden.shape[0])):  # a decode step where every row samples: no gather
+        if rows == list(range(hidden.shape[0])):  # a decode step where every row samples: no index
             return self.lm_head(hidden)
         rows = torch.tensor(rows, dtype=torch.long, device=self.device)
         return self.lm_head(hidden[rows])

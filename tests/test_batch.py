@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from deployments.batch import run_batch
+from replica import SamplingParams
 
 BAD_ROWS = [
     '{"id": "bad-temperature", "prompt": "x", "temperature": -1}',
@@ -143,3 +144,27 @@ def test_killed_run_resumes_with_exactly_one_row_per_id(tmp_path):
     ids = [r["id"] for r in rows]
     assert len(ids) == len(set(ids)) == 200 and set(ids) == good
     assert f"{written} already done" in resumed.stdout
+
+
+def test_tensor_parallel_engines_in_the_batch_job(ray_cluster, tmp_path, model_path, llm_fp32):
+    """Each engine actor splits its model over itself and one worker of its own placement
+    group; greedy rows come out as the offline engine writes them."""
+    prompts = [f"Count from {i}:" for i in range(6)]
+    lines = [
+        json.dumps({"id": str(i), "prompt": p, "temperature": 0, "max_tokens": 8})
+        for i, p in enumerate(prompts)
+    ]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    summary = run_batch(
+        str(tmp_path / "in.jsonl"),
+        str(tmp_path / "out.jsonl"),
+        engine_args={"model": str(model_path), "dtype": "float32", "tensor_parallel_size": 2},
+        min_replicas=1,
+        max_replicas=1,
+        batch_size=3,
+        num_cpus_per_replica=0.5,
+    )
+    assert summary.rows == 6 and summary.errors == 0
+    want = llm_fp32.generate(prompts, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+    by_id = {r["id"]: r for r in read_output(tmp_path / "out.jsonl")}
+    assert [by_id[str(i)]["text"] for i in range(6)] == [o.text for o in want]

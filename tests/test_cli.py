@@ -229,3 +229,30 @@ def test_sigterm_to_every_process_ends_serve_cleanly():
         _assert_ended_cleanly(server, code, seconds, left, threads)
     finally:
         server.kill()
+
+
+def test_serve_with_tensor_parallel_size_2():
+    """`kvserve serve --tensor-parallel-size 2`: one replica split over two CPU processes
+    (gloo), answering the openai client; SIGTERM still ends everything."""
+    server = _Serve(18575, 18576, "--tensor-parallel-size", "2")
+    try:
+        model = server.wait_serving()
+        client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+        out = client.completions.create(
+            model=model, prompt="The capital of France is", max_tokens=8, temperature=0
+        )
+        assert "Paris" in out.choices[0].text
+        ranks = [
+            p for p in psutil.Process(server.proc.pid).children(recursive=True) if "TPWorker" in _title(p)
+        ]
+        assert len(ranks) == 1  # rank 1; rank 0 is the replica itself
+        code, seconds, left = server.stop(signal.SIGTERM)
+        _assert_ended_cleanly(server, code, seconds, left, [])
+    finally:
+        server.kill()
+
+
+def _title(p: psutil.Process) -> str:
+    with contextlib.suppress(psutil.Error):
+        return " ".join(p.cmdline())
+    return ""

@@ -39,3 +39,25 @@ def test_gpu_config_names_its_model_by_hub_id_and_no_local_path():
     assert is_hub_id(config.model) and config.model_name == config.model
     assert config.chat_template is None or "/" not in config.chat_template
     assert isinstance(build_app(config), Application)  # offline, with the model in no cache
+
+
+def test_70b_config_reserves_eight_gpus_on_one_node_per_replica():
+    from transformers import LlamaConfig
+
+    from replica.parallel.sharding import check_shardable
+
+    path = GPU_CONFIG.with_name("gpu_70b.yaml")
+    (app,) = ServeDeploySchema.model_validate(yaml.safe_load(path.read_text())).applications
+    config = AppConfig.model_validate(app.args)
+    assert config.tensor_parallel_size == 8
+    replica = build_app(config)._bound_deployment.init_args[0]._bound_deployment
+    assert replica._replica_config.placement_group_strategy == "STRICT_PACK"
+    bundles = replica._replica_config.placement_group_bundles
+    assert len(bundles) == 8 and all(b["GPU"] == 1 for b in bundles)
+    # Llama-3.1-70B's shape: 64 heads, 8 KV heads, one KV head per rank.
+    check_shardable(LlamaConfig(num_attention_heads=64, num_key_value_heads=8, intermediate_size=28672), 8)
+
+
+def test_tensor_parallel_replicas_take_one_gpu_per_rank():
+    with pytest.raises(ValueError, match="num_gpus_per_replica is per rank"):
+        AppConfig(engine_args={"tensor_parallel_size": 2}, num_gpus_per_replica=2)

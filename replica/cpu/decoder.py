@@ -105,5 +105,5 @@ def _replacement(module: nn.Module) -> nn.Module | None:
     if kind in RMS_NORMS:
         return RMSNorm(module)
     if isinstance(module, nn.Linear):
-        return PackedLinear(module.weight, module.bias)
+        return PackedLinear.of(module)
     return None

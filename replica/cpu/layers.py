@@ -28,8 +28,11 @@ class PackedLinear(nn.Module):
     """y = x W^T + b with W reordered once for oneDNN; a drop-in for nn.Linear. Where
     oneDNN cannot pack the weight's dtype on this CPU, it stays a plain F.linear."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group=None):
+        """group: a tensor-parallel TPGroup whose ranks' outputs are summed (a row-split
+        linear, replica/parallel/sharding.py); None for a whole linear."""
         super().__init__()
+        self.group = group
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.bias = None if bias is None else bias.detach()
         self.weight, packed = weight.detach(), None
@@ -37,6 +40,10 @@ class PackedLinear(nn.Module):
             # The reorder takes a batch-size hint; decode batches are what runs most often.
             self.weight, packed = None, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
         self.register_buffer("packed", packed)
+
+    @classmethod
+    def of(cls, linear: nn.Linear) -> "PackedLinear":
+        return cls(linear.weight, linear.bias, getattr(linear, "group", None))
 
     @classmethod
     def concat(cls, linears: list[nn.Linear]) -> "PackedLinear":
@@ -49,10 +56,12 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
-            return nn.functional.linear(x, self.weight, self.bias)
-        flat = x.reshape(-1, self.in_features)
-        y = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
-        return y.view(*x.shape[:-1], self.out_features)
+            y = nn.functional.linear(x, self.weight, self.bias)
+        else:
+            flat = x.reshape(-1, self.in_features)
+            y = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+            y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.group is None else self.group.all_reduce(y)
 
 
 class RMSNorm(nn.Module):
@@ -70,7 +79,7 @@ class SiluMLP(nn.Module):
     def __init__(self, mlp: nn.Module):
         super().__init__()
         self.gate_up = PackedLinear.concat([mlp.gate_proj, mlp.up_proj])
-        self.down = PackedLinear(mlp.down_proj.weight, mlp.down_proj.bias)
+        self.down = PackedLinear.of(mlp.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(ops.silu_mul(self.gate_up(x)))
@@ -82,14 +91,14 @@ class RotaryPagedAttention(nn.Module):
 
     def __init__(self, attn: nn.Module):
         super().__init__()
-        config = attn.config
         self.layer_idx = attn.layer_idx
         self.head_dim = attn.head_dim
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        # From the projections, not the config: a tensor-parallel rank holds only some heads.
+        self.num_heads = attn.q_proj.out_features // attn.head_dim
+        self.num_kv_heads = attn.k_proj.out_features // attn.head_dim
         self.scaling = attn.scaling
         self.qkv = PackedLinear.concat([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.o_proj = PackedLinear(attn.o_proj.weight, attn.o_proj.bias)
+        self.o_proj = PackedLinear.of(attn.o_proj)
         # Qwen3 normalises each head's q and k before the rotary embedding.
         self.q_norm = RMSNorm(attn.q_norm) if hasattr(attn, "q_norm") else None
         self.k_norm = RMSNorm(attn.k_norm) if hasattr(attn, "k_norm") else None

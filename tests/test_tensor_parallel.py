@@ -1,0 +1,254 @@
+"""Tensor parallelism on CPU: the same code path as NCCL on GPUs, with gloo. Rank 0 runs
+in this process, rank 1 in a Ray actor of the engine's placement group; greedy output
+must equal HF generate token for token in fp32."""
+
+import asyncio
+import time
+
+import openai
+import psutil
+import pytest
+import ray
+import torch
+from conftest import SERVE_HTTP_PORT, hf_greedy, undeploy
+from hypothesis import given
+from hypothesis import strategies as st
+from ray import serve
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from deployments.app import build_app
+from replica import LLM, SamplingParams
+from replica.parallel import workers
+from replica.parallel.sharding import ShardingError, split_heads
+from router.coordinator import coordinator_address
+
+PROMPTS = [
+    "Hi",
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away, there lived a",
+    "The quick brown fox jumps over the lazy dog. " * 6 + "What did the fox do?",
+    "In the beginning of the twentieth century, physics changed forever when Albert Einstein "
+    "published his papers on special relativity, the photoelectric effect and Brownian motion. "
+    "Summarise their importance in one sentence:",
+]
+MAX_NEW = 24
+
+
+@given(
+    num_kv_heads=st.integers(1, 8),
+    group=st.integers(1, 8),
+    world_size=st.integers(1, 16),
+)
+def test_every_query_head_lands_once_beside_its_kv_head(num_kv_heads, group, world_size):
+    num_heads = num_kv_heads * group
+    try:
+        shards = split_heads(num_heads, num_kv_heads, world_size)
+    except ShardingError as e:
+        assert world_size > num_kv_heads and str(num_heads) in str(e)
+        return
+    assert len(shards) == world_size
+    covered = [q for s in shards for q in range(s.q_start, s.q_start + s.num_q)]
+    if world_size <= num_kv_heads:
+        assert covered == list(range(num_heads))  # each query head on one rank
+    else:
+        assert sorted(set(covered)) == list(range(num_heads)) and len(covered) == num_heads
+    for s in shards:
+        assert s.num_q > 0 and s.num_kv > 0 and s.num_q % s.num_kv == 0
+        local_group = s.num_q // s.num_kv  # the plain GQA layout within the rank
+        for i in range(s.num_q):
+            assert (s.q_start + i) // group == s.kv_start + i // local_group
+
+
+def test_head_splits_of_real_shapes():
+    # SmolLM2-135M: 9 heads in 3 KV groups, 2 + 1 over two ranks.
+    assert [(s.num_q, s.num_kv) for s in split_heads(9, 3, 2)] == [(6, 2), (3, 1)]
+    # Llama-3-70B: 64 heads, 8 KV heads, one KV head per rank at 8.
+    assert {(s.num_q, s.num_kv) for s in split_heads(64, 8, 8)} == {(8, 1)}
+    # 16 ranks share each of 8 KV heads by twos.
+    assert [s.kv_start for s in split_heads(64, 8, 16)][:4] == [0, 0, 1, 1]
+    with pytest.raises(ShardingError, match="9 attention heads with 3 KV heads"):
+        split_heads(9, 3, 4)
+
+
+@pytest.fixture(scope="module")
+def expected(hf_model, tokenizer):
+    prompts = [tokenizer(p).input_ids for p in PROMPTS]
+    eos = {tokenizer.eos_token_id}
+    return prompts, [hf_greedy(hf_model, ids, MAX_NEW, eos) for ids in prompts]
+
+
+def _greedy(llm: LLM, prompts) -> list[list[int]]:
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0)
+    return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_tp2_matches_hf_with_chunked_prefill_preemption_and_prefix_hits(ray_cluster, model_path, expected):
+    prompts, want = expected
+    # 10 blocks of 16 tokens hold the longest request alone but not all at once; 16
+    # tokens a step chunk every prompt but the shortest.
+    llm = LLM(
+        str(model_path),
+        dtype="float32",
+        tensor_parallel_size=2,
+        num_kv_blocks=10,
+        block_size=16,
+        max_num_batched_tokens=16,
+    )
+    runner = llm.engine.runner
+    assert runner.group.world_size == 2 and len(runner.workers.actors) == 1
+    assert runner.num_kv_heads == 2  # rank 0's 2 of the model's 3 KV heads
+    assert _greedy(llm, prompts) == want
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0
+    assert stats.kv.num_free_blocks == stats.kv.num_total_blocks
+
+    # The prompt of the longest request again, now from the prefix cache.
+    (again,) = llm.generate([prompts[-1]], SamplingParams(max_tokens=MAX_NEW, temperature=0), use_tqdm=False)
+    assert again.num_cached_tokens >= 32
+    assert again.token_ids == want[-1]
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_tp2_async_scheduling_matches_hf(ray_cluster, model_path, expected, backend):
+    """Async scheduling keeps sampled tokens on rank 0's device: they reach rank 1 by
+    broadcast. The torch backend runs transformers' own decoder over the shards."""
+    prompts, want = expected
+    llm = LLM(
+        str(model_path),
+        dtype="float32",
+        tensor_parallel_size=2,
+        async_scheduling=True,
+        attention_backend=backend,
+    )
+    assert llm.engine.async_scheduling
+    assert _greedy(llm, prompts) == want
+
+
+def test_tp2_random_model_with_replicated_kv_head_biases_and_odd_sizes(ray_cluster, tmp_path, tokenizer):
+    """One KV head for two ranks (replicated); biases on every projection, so the
+    row-split ones must add theirs once; an intermediate size and a vocabulary that do
+    not split evenly (the last lm_head slice is padded)."""
+    config = LlamaConfig(
+        vocab_size=49153,
+        hidden_size=64,
+        intermediate_size=129,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        attention_bias=True,
+        mlp_bias=True,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # transformers initialises biases to zero, which would hide a double add
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0, 0.5)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    prompts = [tokenizer(p).input_ids for p in ["Hello there", "A longer prompt with more tokens in it", "x"]]
+    want = [hf_greedy(model, p, 12, set()) for p in prompts]
+    llm = LLM(str(tmp_path), dtype="float32", tensor_parallel_size=2, block_size=4, max_num_batched_tokens=8)
+    assert llm.engine.runner.num_kv_heads == 1
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
+
+
+def test_a_dead_worker_fails_the_step_and_the_health_check(ray_cluster, model_path):
+    llm = LLM(str(model_path), dtype="float32", tensor_parallel_size=2)
+    engine = llm.engine
+    engine.add_request("Once upon a time", SamplingParams(max_tokens=200, temperature=0))
+    for _ in range(3):
+        engine.step()
+    ray.kill(engine.runner.workers.actors[0])
+    with pytest.raises(Exception, match="Connection closed by peer|worker"):
+        for _ in range(50):  # gloo notices the closed connection in the next collective
+            engine.step()
+    with pytest.raises(workers.WorkerError, match="gone or stuck"):
+        asyncio.run(engine.runner.workers.check_alive(timeout_s=10))
+
+
+def test_sizes_that_cannot_split_are_refused_before_any_worker_starts(ray_cluster, model_path):
+    with pytest.raises(ShardingError, match="9 attention heads with 3 KV heads over tensor_parallel_size=4"):
+        LLM(str(model_path), tensor_parallel_size=4)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
+        LLM(str(model_path), tensor_parallel_size=0)
+
+
+def test_fewer_gpus_than_asked_is_a_clear_error(ray_cluster, model_path, monkeypatch):
+    """This Ray has no GPUs: the workers' bundles cannot be placed."""
+    monkeypatch.setattr(workers, "PLACEMENT_TIMEOUT_S", 1.0)
+    with pytest.raises(
+        workers.WorkerError, match=r"tensor_parallel_size=2 needs 1 more bundles of \{'GPU': 1"
+    ):
+        LLM(str(model_path), tensor_parallel_size=2, device="cuda")
+    assert not [pg for pg in ray.util.placement_group_table().values() if pg["state"] == "PENDING"]
+
+
+def test_a_tp2_replica_serves_and_is_replaced_when_a_worker_dies(ray_cluster, model_path, llm_fp32):
+    """One Serve replica over a placement group of 2 bundles: the openai client gets the
+    offline greedy text; the coordinator (and so the KV router) sees one replica. When its
+    worker dies, the health check fails and Serve starts a new replica with new workers."""
+    app = "tp-test"
+    serve.run(
+        build_app(
+            {
+                "app_name": app,
+                "model": str(model_path),
+                "served_model_name": "tp",
+                "engine_args": {"dtype": "float32", "tensor_parallel_size": 2, "kv_cache_memory_gb": 0.1},
+            }
+        ),
+        name=app,
+        route_prefix="/tp",
+    )
+    try:
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{SERVE_HTTP_PORT}/tp/v1", api_key="x", max_retries=0
+        )
+        prompt = "The capital of France is"
+        (want,) = llm_fp32.generate(prompt, SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)
+        out = client.completions.create(model="tp", prompt=prompt, max_tokens=16, temperature=0)
+        assert out.choices[0].text == want.text
+        stream = client.completions.create(
+            model="tp", prompt=prompt, max_tokens=16, temperature=0, stream=True
+        )
+        assert "".join(c.choices[0].text for c in stream if c.choices) == want.text
+
+        namespace, name = coordinator_address(app)
+        coordinator = ray.get_actor(name, namespace=namespace)
+        (first_id, report), *others = ray.get(coordinator.snapshot.remote()).items()
+        assert not others and report["tensor_parallel_size"] == 2
+        tables = ray.util.placement_group_table().values()
+        assert any(
+            len(pg["bundles"]) == 2 and pg["strategy"] == "STRICT_PACK" and pg["state"] == "CREATED"
+            for pg in tables
+        )
+
+        (worker,) = [
+            p
+            for p in psutil.process_iter(["cmdline"])
+            if "ray::TPWorker" in " ".join(p.info["cmdline"] or [])
+        ]
+        long = client.completions.create(
+            model="tp", prompt=prompt, max_tokens=2000, stream=True, extra_body={"ignore_eos": True}
+        )
+        next(iter(long))  # running on the replica
+        worker.kill()  # a crash, as an OOM kill or a lost GPU would be
+        with pytest.raises(openai.APIError, match="EngineStepError"):
+            for _ in long:  # the replica fails it at once, and there is no other replica to move to
+                pass
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            replicas = ray.get(coordinator.snapshot.remote())
+            if replicas and first_id not in replicas:
+                break
+            time.sleep(1)
+        assert replicas and first_id not in replicas, "Serve did not replace the replica"
+        out = client.completions.create(model="tp", prompt=prompt, max_tokens=16, temperature=0)
+        assert out.choices[0].text == want.text
+    finally:
+        undeploy(app)
