@@ -92,7 +92,8 @@ class WorkerSet:
                     f"(available: {ray.available_resources()})"
                 )
         bundle = group.bundle_specs[first_bundle]
-        self.store = serve_store(ray.util.get_node_ip_address(), world)
+        host = ray.util.get_node_ip_address()
+        self.store = serve_store(host, world)
         self.actors = [
             TPWorker.options(
                 num_cpus=0,
@@ -101,7 +102,6 @@ class WorkerSet:
             ).remote()
             for i in range(world - 1)
         ]
-        host = ray.util.get_node_ip_address()
         self._starts = [
             actor.start.remote(asdict(config), str(model_path), host, self.store.port, rank)
             for rank, actor in enumerate(self.actors, start=1)
@@ -126,18 +126,16 @@ class WorkerSet:
         thread = threading.Thread(target=build, name="kvserve-tp-rank0", daemon=True)
         thread.start()
         pending = list(self._starts)
-        while thread.is_alive() or pending:
-            done, pending = ray.wait(pending, num_returns=len(pending), timeout=0.2) if pending else ([], [])
-            for ref in done:
-                try:
-                    ray.get(ref)
-                except Exception as e:
-                    self.shutdown()
-                    raise WorkerError(f"a tensor-parallel worker failed to start: {e}") from e
-            if failure:
+        while (thread.is_alive() or pending) and not failure:
+            if not pending:
+                thread.join(timeout=0.2)
+                continue
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=0.2)
+            try:
+                ray.get(done)
+            except Exception as e:
                 self.shutdown()
-                raise failure[0]
-            thread.join(timeout=0 if pending else 0.2)
+                raise WorkerError(f"a tensor-parallel worker failed to start: {e}") from e
         if failure:
             self.shutdown()
             raise failure[0]
