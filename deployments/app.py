@@ -41,6 +41,19 @@ class Autoscaling(BaseModel):
     look_back_period_s: float = Field(default=10.0, gt=0)
 
 
+class ReplicaGroup(BaseModel):
+    """Replicas of another shape beside the app's own, for the same model: say
+    tensor-parallel ones on bigger nodes (router/replica_groups.py). A fixed count."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]+$")  # its deployment is LLMServer-<name>
+    replicas: int = Field(default=1, ge=1)
+    engine_args: dict = Field(default_factory=dict)  # over the app's engine_args
+    num_cpus_per_replica: float | None = Field(default=None, ge=0)  # default: the app's
+    num_gpus_per_replica: float | None = Field(default=None, ge=0)
+
+
 class AppConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -80,15 +93,32 @@ class AppConfig(BaseModel):
     # Instead of the model's chat template: a Jinja template, a file holding one, or
     # the name of one that ships with kvserve ("chatml_tools": ChatML with Hermes tools).
     chat_template: str | None = None
+    # Replicas of other shapes beside these, behind the same ingress and coordinator.
+    replica_groups: list[ReplicaGroup] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _one_gpu_per_rank(self) -> "AppConfig":
-        if self.tensor_parallel_size > 1 and self.num_gpus_per_replica not in (0, 1):
-            raise ValueError(
-                "with tensor_parallel_size > 1, num_gpus_per_replica is per rank: 1 (one GPU each) "
-                f"or 0 (CPU), got {self.num_gpus_per_replica}"
-            )
+        for group in [None, *self.replica_groups]:
+            engine_args, _, num_gpus = self.shape(group)
+            if int(engine_args.get("tensor_parallel_size", 1)) > 1 and num_gpus not in (0, 1):
+                raise ValueError(
+                    "with tensor_parallel_size > 1, num_gpus_per_replica is per rank: 1 (one GPU each) "
+                    f"or 0 (CPU), got {num_gpus}"
+                )
+        if len({g.name for g in self.replica_groups}) < len(self.replica_groups):
+            raise ValueError("replica_groups need distinct names")
         return self
+
+    def shape(self, group: ReplicaGroup | None = None) -> tuple[dict, float, float]:
+        """(engine_args, num_cpus, num_gpus) of the app's replicas, or of a group's."""
+        if group is None:
+            return self.engine_args, self.num_cpus_per_replica, self.num_gpus_per_replica
+        cpus, gpus = group.num_cpus_per_replica, group.num_gpus_per_replica
+        return (
+            {**self.engine_args, **group.engine_args},
+            self.num_cpus_per_replica if cpus is None else cpus,
+            self.num_gpus_per_replica if gpus is None else gpus,
+        )
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -107,38 +137,16 @@ def build_app(config: AppConfig | dict) -> Application:
     config = AppConfig.model_validate(config)
     coordinator = coordinator_address(config.app_name)
     versions = running_versions()  # every replica and the ingress must run these
-    options = {}
-    if config.router == "kv":
-        options["request_router_config"] = RequestRouterConfig(
-            request_router_class=KVAwareRouter, request_router_kwargs={"coordinator": coordinator}
-        )
-    if config.autoscaling is None:
-        options["num_replicas"] = config.replicas
-    else:
-        options["autoscaling_config"] = autoscaling_config(config.autoscaling)
-    if config.tensor_parallel_size > 1:
-        # One bundle per rank, on one node: the replica (rank 0) runs in the first and
-        # starts its workers in the others (replica/parallel/workers.py). Serve reserves
-        # them with the replica, so autoscaling and routing count one replica.
-        options["placement_group_bundles"] = replica_bundles(
-            config.tensor_parallel_size, config.num_gpus_per_replica > 0, config.num_cpus_per_replica
-        )
-        options["placement_group_strategy"] = "STRICT_PACK"
-    llm = LLMServer.options(
-        max_ongoing_requests=config.max_ongoing_requests,
-        max_queued_requests=config.max_queued_requests,
-        ray_actor_options={"num_cpus": config.num_cpus_per_replica, "num_gpus": config.num_gpus_per_replica},
-        **options,
-    ).bind(
-        {
-            **config.engine_args,
-            "model": config.model,
-            "revision": config.revision,
-            "max_waiting": config.max_waiting,
-        },
-        coordinator,
-        versions,
+    scaling = (
+        {"num_replicas": config.replicas}
+        if config.autoscaling is None
+        else {"autoscaling_config": autoscaling_config(config.autoscaling)}
     )
+    llm = _replicas(config, None, scaling, coordinator, versions)
+    more = [
+        _replicas(config, group, {"num_replicas": group.replicas}, coordinator, versions)
+        for group in config.replica_groups
+    ]
     ingress = OpenAIIngress.options(
         max_queued_requests=config.max_queued_requests,
         backpressure_config=BackpressureConfig(status_code=429, retry_after_s=1),
@@ -156,6 +164,46 @@ def build_app(config: AppConfig | dict) -> Application:
         chat_template=load_chat_template(config.chat_template),  # read here: replicas may be elsewhere
         versions=versions,
         max_migrations=config.max_migrations,
+        more_llms=more,
+    )
+
+
+def _replicas(
+    config: AppConfig,
+    group: ReplicaGroup | None,
+    scaling: dict,
+    coordinator: tuple[str, str],
+    versions: dict,
+) -> Application:
+    """One LLMServer deployment: the app's replicas, or a replica group's."""
+    engine_args, num_cpus, num_gpus = config.shape(group)
+    options = dict(scaling)
+    if config.router == "kv":
+        options["request_router_config"] = RequestRouterConfig(
+            request_router_class=KVAwareRouter, request_router_kwargs={"coordinator": coordinator}
+        )
+    tensor_parallel_size = int(engine_args.get("tensor_parallel_size", 1))
+    if tensor_parallel_size > 1:
+        # One bundle per rank, on one node: the replica (rank 0) runs in the first and
+        # starts its workers in the others (replica/parallel/workers.py). Serve reserves
+        # them with the replica, so autoscaling and routing count one replica.
+        options["placement_group_bundles"] = replica_bundles(tensor_parallel_size, num_gpus > 0, num_cpus)
+        options["placement_group_strategy"] = "STRICT_PACK"
+    return LLMServer.options(
+        name="LLMServer" if group is None else f"LLMServer-{group.name}",
+        max_ongoing_requests=config.max_ongoing_requests,
+        max_queued_requests=config.max_queued_requests,
+        ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus},
+        **options,
+    ).bind(
+        {
+            **engine_args,
+            "model": config.model,
+            "revision": config.revision,
+            "max_waiting": config.max_waiting,
+        },
+        coordinator,
+        versions,
     )
 
 

@@ -58,7 +58,8 @@ class LLMServer:
         if cores is not None and self.engine.runner.device.type == "cpu":
             pin_process(resolve_cores(cores))  # before the engine's thread starts
         self.engine.warm_up()  # before Serve counts the replica as ready
-        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        replica_id = serve.get_replica_context().replica_id
+        self.replica_id, self.deployment = replica_id.unique_id, replica_id.deployment_id.name
         self.node_id = ray.get_runtime_context().get_node_id()
         self._report = self._build_report()
         self._streams: dict[str, _Stream] = {}
@@ -116,6 +117,7 @@ class LLMServer:
         s = self.engine.stats()
         return {
             "node_id": self.node_id,
+            "deployment": self.deployment,  # which replica group (router/replica_groups.py)
             "device": self.engine.runner.device.type,
             "tensor_parallel_size": self.engine.config.tensor_parallel_size,
             "block_size": self.engine.config.block_size,

@@ -2,9 +2,14 @@
 latest KV stats. Replicas push about every 100 ms; routers and the metrics endpoint
 read snapshots. A replica that stops reporting is forgotten."""
 
+import asyncio
+import logging
 import time
+from collections.abc import Callable
 
 import ray
+
+logger = logging.getLogger("ray.serve")
 
 NAMESPACE = "kvserve"
 DEFAULT_STALE_AFTER_S = 2.0
@@ -54,3 +59,28 @@ def get_coordinator(address: tuple[str, str]) -> ray.actor.ActorHandle:
         lifetime="detached",
         resources={HEAD_NODE_RESOURCE: 0.001},
     ).remote()
+
+
+async def follow_snapshots(
+    address: tuple[str, str], interval_s: float, use: Callable[[dict, float], None], fallback: str
+) -> None:
+    """Hand `use` the coordinator's snapshot, and when it was asked for (time.monotonic();
+    each report is at least its age older than that), every interval. When that fails,
+    `use` gets an empty snapshot (the caller falls back to `fallback`, which the warning
+    names) and the coordinator is looked up again, which recreates it if it died. Ends
+    with Ray: in a driver that holds a handle and then shuts Ray down, looking the
+    coordinator up would start a new Ray (or join another cluster) behind its back."""
+    loop = asyncio.get_running_loop()
+    coordinator = None
+    while ray.is_initialized():
+        try:
+            if coordinator is None:
+                coordinator = await loop.run_in_executor(None, get_coordinator, address)
+            asked_at = time.monotonic()
+            use(await asyncio.wait_for(coordinator.snapshot.remote(), timeout=2.0), asked_at)
+        except Exception as e:
+            if coordinator is not None:
+                logger.warning(f"lost the coordinator, {fallback} ({e!r})")
+            coordinator = None
+            use({}, time.monotonic())
+        await asyncio.sleep(interval_s)

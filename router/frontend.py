@@ -10,14 +10,13 @@ import hmac
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from ray.serve.handle import DeploymentHandle
-
 from replica.llm import chat_prompt_ids
 from replica.sampling_params import SamplingParams
 from router import tool_calls
 from router.generation import DEFAULT_MAX_MIGRATIONS, APIError, Generation, start_generation
 from router.metrics import ServingMetrics
 from router.protocol import ChatCompletionRequest, CompletionRequest, ResponseFormat
+from router.replica_groups import ReplicaGroups
 
 
 @dataclass
@@ -122,7 +121,7 @@ class Choices:
 class FrontEnd:
     def __init__(
         self,
-        llm: DeploymentHandle,
+        replicas: ReplicaGroups,
         metrics: ServingMetrics,
         model_name: str,
         tokenizer,
@@ -131,7 +130,7 @@ class FrontEnd:
         chat_template: str | None = None,
         max_migrations: int = DEFAULT_MAX_MIGRATIONS,
     ):
-        self.llm, self.metrics, self.model_name = llm, metrics, model_name
+        self.replicas, self.metrics, self.model_name = replicas, metrics, model_name
         self.max_migrations = max_migrations
         self.tokenizer, self.vocab_size, self.chat_template = tokenizer, vocab_size, chat_template
         self._api_keys = [key.encode() for key in api_keys or []]
@@ -247,8 +246,9 @@ class FrontEnd:
         return EngineInput(prompt, params.as_dict(), choices, logprobs_wanted, echo, tools)
 
     async def start(self, engine_input: EngineInput) -> Generation:
+        llm = self.replicas.pick(engine_input.prompt, engine_input.params)
         return await start_generation(
-            self.llm, self.metrics, engine_input.prompt, engine_input.params, self.max_migrations
+            llm, self.metrics, engine_input.prompt, engine_input.params, self.max_migrations
         )
 
 

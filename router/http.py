@@ -35,6 +35,7 @@ from router.protocol import (
     TokenizeRequest,
     main_error,
 )
+from router.replica_groups import ReplicaGroups
 
 logger = logging.getLogger("ray.serve")
 REPLICA_HEADER = "x-kvserve-replica"
@@ -234,16 +235,18 @@ class OpenAIIngress(GrpcAPI):
         chat_template: str | None = None,
         versions: dict[str, str] | None = None,
         max_migrations: int = DEFAULT_MAX_MIGRATIONS,
+        more_llms: list[DeploymentHandle] | None = None,
     ):
         """api_keys: when given, /v1/* and every gRPC call need one of them. warm_up: send
         one tiny request through the whole path at start-up (off where the replicas may
         scale to zero, since it would wake one). chat_template: a Jinja template to use
         instead of the model's (say, one that renders tools). versions: kvserve's and
         Ray's where the application was built, which this process must run too.
-        max_migrations: how often a stream may move on when its replica dies."""
+        max_migrations: how often a stream may move on when its replica dies. more_llms:
+        deployments of replicas of other shapes (router/replica_groups.py)."""
         check_versions(versions, "ingress")
         app.state.max_request_bytes = max_request_bytes
-        self.llm = llm
+        self.llms = [llm, *(more_llms or [])]
         self._coordinator_address = coordinator
         self.coordinator = get_coordinator(coordinator) if coordinator else None
         self.model_name = model_name
@@ -254,7 +257,7 @@ class OpenAIIngress(GrpcAPI):
         self.config_max_len = getattr(config, "max_position_embeddings", None)
         self.metrics = ServingMetrics(model_name)
         self.frontend = FrontEnd(
-            llm,
+            ReplicaGroups(self.llms, coordinator),
             self.metrics,
             model_name,
             self.tokenizer,
@@ -270,11 +273,12 @@ class OpenAIIngress(GrpcAPI):
         1.7 s where later ones took 0.5 s; this one pays that instead of a client's. Not
         counted in /metrics, and shorter than a block, so nothing is prefix-cached."""
         try:
-            stream = self.llm.options(stream=True).generate.remote(
-                self.tokenizer("Hi").input_ids, {"max_tokens": 2, "temperature": 0}
-            )
-            async for _ in stream:
-                pass
+            for llm in self.llms:  # each replica group's
+                stream = llm.options(stream=True).generate.remote(
+                    self.tokenizer("Hi").input_ids, {"max_tokens": 2, "temperature": 0}
+                )
+                async for _ in stream:
+                    pass
         except Exception:
             logger.warning("the start-up warm-up request failed", exc_info=True)
 

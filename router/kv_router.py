@@ -43,12 +43,11 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import ray
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from kvcache.hashing import hash_full_blocks
 from kvcache.kv_manager import cdiv
-from router.coordinator import get_coordinator
+from router.coordinator import follow_snapshots
 
 logger = logging.getLogger("ray.serve")
 
@@ -271,28 +270,14 @@ class KVAwareRouter(RequestRouter):
             self._refresher = asyncio.get_running_loop().create_task(self._refresh_forever())
 
     async def _refresh_forever(self) -> None:
-        """Copy the coordinator's snapshot every refresh interval. On failure drop the
-        copy (so routing falls back at once) and look the coordinator up again, which
-        recreates it if it died. Ends with Ray: in a driver that holds a handle and then
-        shuts Ray down, looking the coordinator up would start a new Ray (or join another
-        cluster) behind its back."""
-        loop = asyncio.get_running_loop()
-        coordinator = None
-        while ray.is_initialized():
-            try:
-                if coordinator is None:
-                    coordinator = await loop.run_in_executor(None, get_coordinator, self._coordinator_address)
-                # Dated from when it was asked for: each report is at least its age older
-                # than that (never younger, however long the reply or this loop took).
-                asked_at = time.monotonic()
-                snapshot = await asyncio.wait_for(coordinator.snapshot.remote(), timeout=2.0)
-                self._views = {rid: ReplicaView.from_report(r, asked_at) for rid, r in snapshot.items()}
-                self._expire_debits()
-            except Exception as e:
-                if coordinator is not None:
-                    logger.warning(f"KV router: lost the coordinator, routing by power of two ({e!r})")
-                coordinator, self._views = None, {}
-            await asyncio.sleep(self._refresh_interval_s)
+        await follow_snapshots(
+            self._coordinator_address, self._refresh_interval_s, self._use_snapshot, "routing by power of two"
+        )
+
+    def _use_snapshot(self, snapshot: dict[str, dict], asked_at: float) -> None:
+        """An empty snapshot (coordinator gone) drops the views: routing falls back at once."""
+        self._views = {rid: ReplicaView.from_report(r, asked_at) for rid, r in snapshot.items()}
+        self._expire_debits()
 
     def _expire_debits(self) -> None:
         cutoff = time.monotonic() - DEBIT_TTL_S

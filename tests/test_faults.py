@@ -144,7 +144,8 @@ def test_a_full_waiting_queue_answers_429_and_resource_exhausted(ray_cluster, mo
     serve.run(build_app(config), name=app, route_prefix=f"/{app}")
     try:
         url = f"http://127.0.0.1:{SERVE_HTTP_PORT}/{app}/v1/completions"
-        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 64, "ignore_eos": True}
+        # Long enough that the queue is still full for both refusals on a busy machine.
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 256, "ignore_eos": True}
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             futures = [pool.submit(stream_completion, url, body) for _ in range(2)]
 

@@ -252,3 +252,57 @@ def test_a_tp2_replica_serves_and_is_replaced_when_a_worker_dies(ray_cluster, mo
         assert out.choices[0].text == want.text
     finally:
         undeploy(app)
+
+
+def test_a_tp2_replica_beside_a_tp1_replica_shares_the_load(ray_cluster, model_path, llm_fp32, tokenizer):
+    """A replica group of TP=2 replicas beside the app's TP=1 ones (Serve gives a
+    deployment's replicas one shape, so each shape is a deployment): both take part of
+    each burst, ranked by the KV router's placement over the coordinator's snapshot,
+    and both answer with the same greedy text."""
+    app = "tp-mix"
+    config = {
+        "app_name": app,
+        "model": str(model_path),
+        "served_model_name": "mix",
+        "engine_args": {"dtype": "float32", "kv_cache_memory_gb": 0.05},
+        "replica_groups": [{"name": "tp2", "engine_args": {"tensor_parallel_size": 2}}],
+    }
+    serve.run(build_app(config), name=app, route_prefix="/mix")
+    try:
+        namespace, name = coordinator_address(app)
+        coordinator = ray.get_actor(name, namespace=namespace)
+        deadline = time.monotonic() + 60
+        while len(reports := ray.get(coordinator.snapshot.remote())) < 2 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        by_shape = {r["deployment"]: (rid, r["tensor_parallel_size"]) for rid, r in reports.items()}
+        assert {shape for _, shape in by_shape.values()} == {1, 2}, by_shape
+
+        # Distinct prompts of 2 full blocks each: every request queries 2 blocks of the
+        # prefix cache wherever it lands, so each replica's count says how many it took.
+        prompts = [f"{i} " + "a quick brown fox jumps over the lazy dog " * 4 for i in range(16)]
+        assert all(32 < len(tokenizer(p).input_ids) < 48 for p in prompts)
+        want = llm_fp32.generate(prompts, SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{SERVE_HTTP_PORT}/mix/v1", api_key="x", max_retries=0, timeout=120
+        )
+        before = {rid: r["prefix_cache_queries"] for rid, r in ray.get(coordinator.snapshot.remote()).items()}
+
+        async def burst(batch: list[str]) -> list[str]:
+            aclient = openai.AsyncOpenAI(base_url=client.base_url, api_key="x", max_retries=0, timeout=120)
+            outs = await asyncio.gather(
+                *(
+                    aclient.completions.create(model="mix", prompt=p, max_tokens=12, temperature=0)
+                    for p in batch
+                )
+            )
+            return [o.choices[0].text for o in outs]
+
+        texts = asyncio.run(burst(prompts[:8])) + asyncio.run(burst(prompts[8:]))
+        assert texts == [o.text for o in want]
+        time.sleep(0.5)  # the replicas' next reports
+        after = ray.get(coordinator.snapshot.remote())
+        taken = {rid: (after[rid]["prefix_cache_queries"] - before[rid]) // 2 for rid in before}
+        assert sum(taken.values()) == 16, taken
+        assert min(taken.values()) >= 4, taken  # neither group sat out, nor took nearly all
+    finally:
+        undeploy(app)
