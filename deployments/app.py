@@ -41,6 +41,10 @@ class Autoscaling(BaseModel):
     look_back_period_s: float = Field(default=10.0, gt=0)
 
 
+def _tensor_parallel_size(engine_args: dict) -> int:
+    return int(engine_args.get("tensor_parallel_size", 1))
+
+
 class ReplicaGroup(BaseModel):
     """Replicas of another shape beside the app's own, for the same model: say
     tensor-parallel ones on bigger nodes (router/replica_groups.py). A fixed count."""
@@ -100,7 +104,7 @@ class AppConfig(BaseModel):
     def _one_gpu_per_rank(self) -> "AppConfig":
         for group in [None, *self.replica_groups]:
             engine_args, _, num_gpus = self.shape(group)
-            if int(engine_args.get("tensor_parallel_size", 1)) > 1 and num_gpus not in (0, 1):
+            if _tensor_parallel_size(engine_args) > 1 and num_gpus not in (0, 1):
                 raise ValueError(
                     "with tensor_parallel_size > 1, num_gpus_per_replica is per rank: 1 (one GPU each) "
                     f"or 0 (CPU), got {num_gpus}"
@@ -122,7 +126,7 @@ class AppConfig(BaseModel):
 
     @property
     def tensor_parallel_size(self) -> int:
-        return int(self.engine_args.get("tensor_parallel_size", 1))
+        return _tensor_parallel_size(self.engine_args)
 
     @property
     def model_name(self) -> str:
@@ -182,7 +186,7 @@ def _replicas(
         options["request_router_config"] = RequestRouterConfig(
             request_router_class=KVAwareRouter, request_router_kwargs={"coordinator": coordinator}
         )
-    tensor_parallel_size = int(engine_args.get("tensor_parallel_size", 1))
+    tensor_parallel_size = _tensor_parallel_size(engine_args)
     if tensor_parallel_size > 1:
         # One bundle per rank, on one node: the replica (rank 0) runs in the first and
         # starts its workers in the others (replica/parallel/workers.py). Serve reserves

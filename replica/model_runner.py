@@ -35,7 +35,7 @@ from replica.cpu.decoder import optimize_for_cpu
 from replica.cuda_graphs import DecodeGraphRunner
 from replica.model_loader import ModelNotFoundError
 from replica.parallel.group import TPGroup
-from replica.parallel.sharding import shard_model
+from replica.parallel.sharding import num_kv_heads, shard_model
 
 if TYPE_CHECKING:
     from replica.parallel.workers import WorkerSet
@@ -126,9 +126,8 @@ class ModelRunner:
                 f"{type(self.model).__name__} does not support custom attention backends"
             )
         hf = self.model.config
-        num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
-        if group is not None:
-            num_kv_heads = shard_model(self.model, group).num_kv  # before packing, on the host
+        # This rank's; shard before packing, on the host.
+        kv_heads = num_kv_heads(hf) if group is None else shard_model(self.model, group).num_kv
         self.model.to(self.device).eval()
         fused = optimize_for_cpu(self.model) if name == CPU_KERNELS else None
         # (input_ids [1, T], position_ids [1, T]) -> final hidden states [1, T, E]
@@ -137,7 +136,7 @@ class ModelRunner:
 
         self.hf_config = hf
         self.num_layers = hf.num_hidden_layers
-        self.num_kv_heads = num_kv_heads  # this rank's
+        self.num_kv_heads = kv_heads
         self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         self.vocab_size = hf.vocab_size
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []

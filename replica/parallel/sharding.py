@@ -58,13 +58,18 @@ def split_heads(num_heads: int, num_kv_heads: int, world_size: int) -> list[Head
     return [HeadShard(rank * num_q, num_q, rank // ranks_per_kv, 1) for rank in range(world_size)]
 
 
-def check_shardable(config, world_size: int) -> None:
-    """Raises ShardingError, naming the numbers, where `config`'s model cannot be split."""
-    num_heads = config.num_attention_heads
-    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-    split_heads(num_heads, num_kv_heads, world_size)
+def num_kv_heads(config) -> int:
+    """The model's KV heads (configs without GQA leave the count out)."""
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+def check_shardable(config, world_size: int) -> list[HeadShard]:
+    """Each rank's heads; raises ShardingError, naming the numbers, where `config`'s
+    model cannot be split."""
+    shards = split_heads(config.num_attention_heads, num_kv_heads(config), world_size)
     if config.intermediate_size < world_size or config.vocab_size < world_size:
         raise ShardingError(f"the model is too small for tensor_parallel_size={world_size}")
+    return shards
 
 
 class RowParallelLinear(nn.Linear):
@@ -157,7 +162,7 @@ def shard_model(model: nn.Module, group: TPGroup) -> HeadShard:
     """Keep only `group.rank`'s share of `model`'s weights. Returns its heads (the
     paged KV cache of this rank holds only its KV heads)."""
     config = model.config
-    check_shardable(config, group.world_size)
+    shard = check_shardable(config, group.world_size)[group.rank]
     decoder = model.get_decoder()
     layers = getattr(decoder, "layers", None)
     attention_parts = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -171,8 +176,6 @@ def shard_model(model: nn.Module, group: TPGroup) -> HeadShard:
             f"tensor parallelism supports decoders of q/k/v/o attention and gate/up/down MLPs "
             f"(the Llama family: Llama, Mistral, Qwen2, Qwen3); {type(model).__name__} is not one"
         )
-    num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    shard = split_heads(config.num_attention_heads, num_kv_heads, group.world_size)[group.rank]
     for layer in layers:
         _shard_attention(layer.self_attn, shard, group)
         _shard_mlp(layer.mlp, group)

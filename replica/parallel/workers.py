@@ -10,7 +10,7 @@ context lengths, block tables, sampling rows); the workers return nothing, and t
 driver only looks at their results to surface an error or a death.
 """
 
-import logging
+import asyncio
 import threading
 import weakref
 from collections.abc import Callable
@@ -26,8 +26,6 @@ from replica.config import EngineConfig
 from replica.model_runner import ModelRunner, resolve_device
 from replica.parallel.group import TPGroup, connect_store, serve_store
 from replica.parallel.sharding import check_shardable
-
-logger = logging.getLogger(__name__)
 
 PLACEMENT_TIMEOUT_S = 60.0
 # Steps a worker may still be running before the driver waits for the oldest one.
@@ -51,7 +49,7 @@ def replica_bundles(num_ranks: int, gpus: bool, num_cpus: float = 0) -> list[dic
 class TPWorker:
     """One rank: the model runner over its shard and nothing else."""
 
-    def start(self, config: dict, model_path: str, host: str, port: int, rank: int) -> int:
+    def start(self, config: dict, model_path: str, host: str, port: int, rank: int) -> None:
         config = EngineConfig(**config)
         device = resolve_device(config.device)
         if device.type == "cuda":
@@ -59,7 +57,6 @@ class TPWorker:
         store = connect_store(host, port, config.tensor_parallel_size)
         group = TPGroup.join(store, rank, config.tensor_parallel_size, device)
         self.runner = ModelRunner(config, model_path, group)
-        return self.runner.num_blocks
 
     def execute(self, token_ids, context_lens, block_tables, sample_rows, fill_rows) -> None:
         self.runner.execute(token_ids, context_lens, block_tables, sample_rows, fill_rows=fill_rows)
@@ -165,8 +162,6 @@ class WorkerSet:
     async def check_alive(self, timeout_s: float = 20.0) -> None:
         """For the replica's health check: every worker answers (after the step it is
         running), or this raises and Serve replaces the replica."""
-        import asyncio
-
         try:
             await asyncio.wait_for(asyncio.gather(*(a.ping.remote() for a in self.actors)), timeout_s)
         except Exception as e:
