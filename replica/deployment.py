@@ -9,6 +9,7 @@ aborts its engine request, so its KV blocks are free again after the current ste
 """
 
 import asyncio
+import logging
 import os
 import threading
 import time
@@ -21,12 +22,14 @@ import torch
 from ray import serve
 
 from replica.config import EngineConfig
-from replica.cpu.affinity import pin_process, resolve_cores
+from replica.cpu.affinity import CorePlan, pin_process
 from replica.engine import Engine, EngineStepError
 from replica.engine_loop import EngineLoop
 from replica.outputs import RequestDelta, TokenLogprob
 from replica.sampling_params import SamplingParams
 from replica.versions import check_versions
+
+logger = logging.getLogger(__name__)
 
 STATS_PUSH_INTERVAL_S = 0.1
 # 4096 hashes x 16 bytes: 64 KiB per push, enough for 64k cached tokens at block size 16.
@@ -56,7 +59,10 @@ class LLMServer:
         self.engine = Engine(EngineConfig.from_kwargs(**(engine_args or {})))
         cores = self.engine.config.cpu_cores
         if cores is not None and self.engine.runner.device.type == "cpu":
-            pin_process(resolve_cores(cores))  # before the engine's thread starts
+            plan = CorePlan.resolve(cores)
+            pin_process(plan.steady)  # before the engine's thread starts
+            self.engine.runner.cores = plan
+            logger.info(f"pinned to CPU cores {plan.steady}, bursts of prefill on {plan.burst}")
         self.engine.warm_up()  # before Serve counts the replica as ready
         replica_id = serve.get_replica_context().replica_id
         self.replica_id, self.deployment = replica_id.unique_id, replica_id.deployment_id.name

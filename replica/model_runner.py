@@ -10,6 +10,7 @@ the other ranks (`workers`); all ranks then run the same forward, whose collecti
 join them, and only rank 0 gets logits.
 """
 
+import contextlib
 import itertools
 import logging
 from typing import TYPE_CHECKING
@@ -31,6 +32,7 @@ from replica.attention import (
 )
 from replica.attention.select import CPU_KERNELS, cpu_kernels_built, triton_interpret
 from replica.config import EngineConfig
+from replica.cpu.affinity import CorePlan
 from replica.cpu.decoder import optimize_for_cpu
 from replica.cuda_graphs import DecodeGraphRunner
 from replica.model_loader import ModelNotFoundError
@@ -150,6 +152,8 @@ class ModelRunner:
         limits = [config.max_model_len, getattr(hf, "max_position_embeddings", None)]
         self.max_model_len = min(x for x in [*limits, self.num_blocks * self.block_size] if x)
 
+        # Set by a serving replica that pins its threads: the cores each step may use.
+        self.cores: CorePlan | None = None
         self.graphs: DecodeGraphRunner | None = None
         if config.enable_cuda_graphs and self.device.type == "cuda":
             if self.backend.graph_safe:
@@ -301,7 +305,8 @@ class ModelRunner:
             hidden = self.graphs.run([t[0] for t in token_ids], context_lens, block_tables, fill)  # [n, E]
             last_rows = list(range(len(token_ids)))
         else:
-            hidden = self._forward_packed(token_ids, context_lens, block_tables, fill)[0]  # [T, E]
+            with self.cores.for_step(sum(query_lens)) if self.cores else contextlib.nullcontext():
+                hidden = self._forward_packed(token_ids, context_lens, block_tables, fill)[0]  # [T, E]
             last_rows = [end - 1 for end in itertools.accumulate(query_lens)]
         if not sample_rows:
             return hidden.new_empty((0, self.vocab_size))

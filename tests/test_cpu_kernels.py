@@ -22,6 +22,12 @@ pytestmark = pytest.mark.skipif(
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
 
 
+@pytest.fixture(params=[False, True], ids=["fresh-by-kernel", "fresh-by-sdpa"])
+def fresh_prefills_by_sdpa(request, monkeypatch):
+    """Both ways a fresh prefill is attended, whichever one this CPU picks by default."""
+    monkeypatch.setattr(ops, "FRESH_PREFILLS_BY_SDPA", request.param)
+
+
 def _rotary(positions: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
     angles = positions[:, None].float() * inv_freq[None]
@@ -95,13 +101,13 @@ SEQS = [(5, 1), (40, 1), (1, 1), (0, 19), (23, 9), (0, 1), (64, 3)]
     [(16, 4), (64, 16), (128, 16), (32, 32)],
 )
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (6, 2), (8, 1)])
-def test_paged_attention_matches_dense(dtype, head_dim, block_size, heads, kv_heads):
+def test_paged_attention_matches_dense(dtype, head_dim, block_size, heads, kv_heads, fresh_prefills_by_sdpa):
     run_attention(SEQS, heads, kv_heads, head_dim, block_size, dtype, rotary=False, seed=heads + head_dim)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("head_dim", "block_size"), [(16, 4), (64, 16)])
-def test_fused_rotary_matches_transformers(dtype, head_dim, block_size):
+def test_fused_rotary_matches_transformers(dtype, head_dim, block_size, fresh_prefills_by_sdpa):
     run_attention(SEQS, 4, 2, head_dim, block_size, dtype, rotary=True, seed=7)
 
 
@@ -111,10 +117,13 @@ def test_fused_rotary_matches_transformers(dtype, head_dim, block_size):
     block_size=st.sampled_from([1, 3, 16, 32]),
     group=st.sampled_from([1, 3]),
     bf16=st.booleans(),
+    fresh_by_sdpa=st.booleans(),
 )
-def test_paged_attention_any_batch(seqs, block_size, group, bf16):
+def test_paged_attention_any_batch(seqs, block_size, group, bf16, fresh_by_sdpa):
     dtype = torch.bfloat16 if bf16 else torch.float32
-    run_attention(seqs, 2 * group, 2, 32, block_size, dtype, rotary=bf16, seed=len(seqs))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ops, "FRESH_PREFILLS_BY_SDPA", fresh_by_sdpa)
+        run_attention(seqs, 2 * group, 2, 32, block_size, dtype, rotary=bf16, seed=len(seqs))
 
 
 def test_negative_slots_write_nothing():

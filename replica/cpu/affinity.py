@@ -5,15 +5,24 @@ On a small machine the engine shares its cores with Serve's proxy, the ingress a
 Ray's own processes, which preempted it under load. Whether a core of its own pays is
 not settled: `vllm bench serve` at concurrency 16 on 2 cores gave 98-117 output tok/s
 floating and 144-162 pinned in one stretch of time, and 110 against 107 an hour later
-(one-off runs, not committed benchmarks)."""
+(one-off runs, not committed benchmarks).
+
+A core left to the serving processes is idle while a burst of new prompts is prefilled:
+every client is waiting for its first token, so there is nothing to stream. With
+"auto", steps of BURST_MIN_TOKENS tokens or more use it too (CorePlan)."""
 
 import contextlib
-import logging
 import os
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
-logger = logging.getLogger(__name__)
+# About a quarter of a second of prefill on one core for a 135M model. A step this long
+# dwarfs the streaming work of the step before it, which the serving processes do
+# meanwhile on the borrowed core; decode steps, and a new prompt or two joining a
+# decode batch, stay below it.
+BURST_MIN_TOKENS = 512
 
 
 def resolve_cores(spec: str | list[int]) -> list[int]:
@@ -35,4 +44,30 @@ def pin_process(cores: list[int]) -> None:
         with contextlib.suppress(ProcessLookupError):  # a thread that just ended
             os.sched_setaffinity(int(thread_id), cores)
     torch.set_num_threads(len(cores))
-    logger.info(f"pinned to CPU cores {cores}, {len(cores)} torch threads")
+
+
+@dataclass
+class CorePlan:
+    """A pinned replica's cores: `steady` for ordinary steps, `burst` for steps of at
+    least BURST_MIN_TOKENS tokens."""
+
+    steady: list[int]
+    burst: list[int]
+
+    @classmethod
+    def resolve(cls, spec: str | list[int]) -> "CorePlan":
+        """ "auto" bursts onto every core this process may use; a list of cores is kept to."""
+        steady = resolve_cores(spec)
+        return cls(steady, sorted(os.sched_getaffinity(0)) if spec == "auto" else steady)
+
+    @contextlib.contextmanager
+    def for_step(self, num_tokens: int) -> Iterator[None]:
+        """Run a step of num_tokens tokens on the cores it gets, then go back to steady."""
+        if num_tokens < BURST_MIN_TOKENS or self.burst == self.steady:
+            yield
+            return
+        pin_process(self.burst)
+        try:
+            yield
+        finally:
+            pin_process(self.steady)

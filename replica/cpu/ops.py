@@ -11,6 +11,12 @@ from replica.attention.metadata import AttentionMetadata
 from replica.cpu.build import load_library
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+# Fresh prefills need no cache reads. On CPUs with AMX, SDPA's tiled kernel runs them on
+# the matrix units, which the C kernel's vector loops cannot match (a 16 x 128-token
+# prefill step on one core: ~700 -> ~600 ms). Without AMX its kernel is the slower one:
+# on an AVX512-BF16 EPYC the same step took 1.29 s through SDPA and 1.07 s through the C
+# kernel, whose attention costs about 40 ms of it against SDPA's 250 (one-off runs).
+FRESH_PREFILLS_BY_SDPA = torch.cpu._is_amx_tile_supported()
 
 
 def _is_bf16(t: torch.Tensor) -> int:
@@ -91,10 +97,9 @@ def paged_attention(
     """Write this step's K/V (rotated when cos/sin are given) into the paged cache, then
     attend every query row causally over its sequence's cache. Returns [T, H, D].
 
-    Decode rows and chunks after cached tokens go through the C kernel. Fresh prefills
-    (nothing cached before them) need no cache reads, so torch's SDPA attends them from
-    q, k and v directly: its tiled kernel uses the CPU's matrix units (AMX), which the C
-    kernel's vector loops cannot match at prefill sizes.
+    Decode rows and chunks after cached tokens go through the C kernel. So do fresh
+    prefills (nothing cached before them), except on CPUs with AMX, where torch's SDPA
+    attends them from q, k and v directly (FRESH_PREFILLS_BY_SDPA).
 
     Called once per layer per step, so it checks only what a layer could get wrong; the
     step's metadata becomes kernel arguments once, on the first layer."""
@@ -154,14 +159,15 @@ def rotary_embed(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 def _step_arguments(meta: AttentionMetadata) -> tuple[tuple, list[tuple[int, int, int]]]:
     """The metadata as the kernel's arguments (slots, token count, decode rows, the prefill
-    chunks after cached tokens), and the fresh prefills as runs of equal-length chunks
+    chunks it attends), and the fresh prefills SDPA attends as runs of equal-length chunks
     (first row, end row, chunk length), each one batched SDPA call. Built on a step's
     first layer and reused by the others."""
     if meta.kernel_args is None:
-        cached = [i for i, c in enumerate(meta.prefills) if c.block_table is not None]
+        by_kernel = [not FRESH_PREFILLS_BY_SDPA or c.block_table is not None for c in meta.prefills]
+        kernel_chunks = [i for i, kernel in enumerate(by_kernel) if kernel]
         fresh_runs: list[tuple[int, int, int]] = []
-        for chunk in meta.prefills:
-            if chunk.block_table is not None:
+        for chunk, kernel in zip(meta.prefills, by_kernel, strict=True):
+            if kernel:
                 continue
             length = chunk.end - chunk.start
             if fresh_runs and fresh_runs[-1][1] == chunk.start and fresh_runs[-1][2] == length:
@@ -171,8 +177,8 @@ def _step_arguments(meta: AttentionMetadata) -> tuple[tuple, list[tuple[int, int
         decode_tables = meta.decode_block_tables
         prefill_arrays: tuple = (None, None, None, None)
         prefill_width = 0
-        if cached:
-            index = torch.tensor(cached)
+        if kernel_chunks:
+            index = torch.tensor(kernel_chunks)
             starts = meta.prefill_query_starts
             prefill_arrays = (
                 starts[:-1][index].contiguous(), starts[1:][index].contiguous(),
@@ -187,7 +193,7 @@ def _step_arguments(meta: AttentionMetadata) -> tuple[tuple, list[tuple[int, int
                 _ptr(decode_tables),
                 0 if decode_tables is None else decode_tables.shape[1],
                 _ptr(meta.decode_context_lens),
-                len(cached),
+                len(kernel_chunks),
                 *(_ptr(a) for a in prefill_arrays),
                 prefill_width,
             ),
