@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         "--cpu-cores",
         default="auto",
         help='CPU serving: cores to pin the replica to, e.g. "2,3" (one thread each); '
-        '"auto" (default): all but the first, with one replica; "none": no pinning',
+        '"auto" (default): all but the first, with one replica, and every core for long '
+        'prefill steps; "none": no pinning',
     )
     srv.add_argument(
         "--max-waiting",

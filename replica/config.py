@@ -44,7 +44,8 @@ class EngineConfig:
     max_waiting: int | None = None
     # On CPU, the serving replica pins its threads to these cores and runs one torch
     # thread per core (replica/cpu/affinity.py). "auto": every core but the first, which
-    # is left to Serve's proxy, the ingress and Ray. None: no pinning, one thread (Ray's
+    # is left to Serve's proxy, the ingress and Ray, except in steps of 512 tokens or more
+    # (bursts of prefill), which use every core. None: no pinning, one thread (Ray's
     # default for an actor without CPUs). Ignored on GPUs and by the offline LLM.
     cpu_cores: str | list[int] | None = None
 
