@@ -1,4 +1,4 @@
-"""Build kernels.c once per machine and load it with ctypes.
+"""Build the C kernels (kernels.c, gemm.c) once per machine and load them with ctypes.
 
 The library is compiled for the CPU it runs on (-march=native), so it is built where it
 is used, not shipped: the first engine on a machine compiles it (about a second) into
@@ -19,7 +19,8 @@ from pathlib import Path
 
 from replica.model_loader import cache_root
 
-SOURCE = Path(__file__).with_name("kernels.c")
+SOURCES = [Path(__file__).with_name(name) for name in ("kernels.c", "gemm.c")]
+HEADERS = [Path(__file__).with_name("exp512.h")]
 FLAGS = [
     "-O3",
     "-march=native",
@@ -64,7 +65,9 @@ def load_library() -> ctypes.CDLL:
         raise CpuKernelsUnavailable("no C compiler found (set CC, or install gcc)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_signature()]).encode()
+        "\0".join(
+            [*(f.read_text() for f in SOURCES + HEADERS), " ".join(FLAGS), version, _cpu_signature()]
+        ).encode()
     ).hexdigest()[:16]
     target = cache_root() / "kernels" / f"kvserve_cpu_{key}.so"
     if not target.is_file():
@@ -73,10 +76,11 @@ def load_library() -> ctypes.CDLL:
         os.close(fd)
         try:
             result = subprocess.run(
-                [cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True
+                [cc, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True, text=True
             )
             if result.returncode != 0:
-                raise CpuKernelsUnavailable(f"{cc} failed to build {SOURCE.name}:\n{result.stderr[-2000:]}")
+                names = ", ".join(s.name for s in SOURCES)
+                raise CpuKernelsUnavailable(f"{cc} failed to build {names}:\n{result.stderr[-2000:]}")
             os.replace(tmp, target)  # atomic: concurrent builders race, one wins
         finally:
             if os.path.exists(tmp):
@@ -104,5 +108,14 @@ def _declare(lib: ctypes.CDLL) -> None:
         i32, p, p, p, p, i32,  # prefills: count, query starts and ends, context lens, tables, table width
         i32, i32, i32, i32, f32, i32, i32,  # heads, kv heads, head dim, block size, scale, bf16, threads
     ]  # fmt: skip
-    for name in ("rms_norm", "silu_mul", "argmax_rows", "sample_rows", "rotary_embed", "paged_attention"):
+    lib.packed_bf16_weight_elements.argtypes = [i64, i64]
+    lib.packed_bf16_weight_elements.restype = i64
+    lib.pack_bf16_weight.argtypes = [p, p, i64, i64]
+    lib.gemm_bf16.argtypes = [p, p, p, p, i64, i64, i64, i32, i32]
+    lib.bf16_gemm_available.argtypes = []
+    lib.bf16_gemm_available.restype = i32
+    for name in (
+        "rms_norm", "silu_mul", "argmax_rows", "sample_rows", "rotary_embed", "paged_attention",
+        "pack_bf16_weight", "gemm_bf16",
+    ):  # fmt: skip
         getattr(lib, name).restype = None

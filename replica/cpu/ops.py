@@ -1,4 +1,4 @@
-"""Tensor-level wrappers around the compiled CPU kernels (kernels.c).
+"""Tensor-level wrappers around the compiled CPU kernels (kernels.c, gemm.c).
 
 Each wrapper checks what the C code assumes (CPU, fp32 or bf16, unit stride in the last
 dimension) and passes raw pointers. ctypes releases the GIL for the call.
@@ -53,6 +53,52 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = gate_up.new_empty((*gate_up.shape[:-1], n))
     load_library().silu_mul(
         out.data_ptr(), gate_up.data_ptr(), gate_up.numel() // (2 * n), n, _is_bf16(gate_up),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def bf16_gemm_available() -> bool:
+    """gemm.c's kernel needs AVX512-BF16 (vdpbf16ps) and is compiled for this CPU."""
+    return bool(load_library().bf16_gemm_available())
+
+
+def pack_bf16_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 [n, k] weight in gemm_bf16's panel layout (a flat bf16 tensor)."""
+    if weight.dtype != torch.bfloat16 or weight.shape[1] % 2:
+        raise ValueError("gemm_bf16 takes a bf16 weight with an even number of columns")
+    weight = weight.detach().contiguous()
+    n, k = weight.shape
+    lib = load_library()
+    packed = torch.empty(lib.packed_bf16_weight_elements(n, k), dtype=torch.bfloat16)
+    lib.pack_bf16_weight(packed.data_ptr(), weight.data_ptr(), n, k)
+    return packed
+
+
+def interleave_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Gate and up rows (weights [n, k] or biases [n]) in the order gemm_bf16's gated
+    panels read them: 16 gate rows, then the 16 matching up rows, and so on, each
+    zero-padded to a multiple of 16 rows."""
+    n = gate.shape[0]
+    padded = -(-n // 16) * 16
+
+    def groups(t: torch.Tensor) -> torch.Tensor:
+        t = torch.cat([t, t.new_zeros((padded - n, *t.shape[1:]))])
+        return t.view(padded // 16, 16, *t.shape[1:])
+
+    return torch.stack([groups(gate), groups(up)], dim=1).reshape(2 * padded, *gate.shape[1:])
+
+
+def gemm_bf16(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int, gated: bool = False
+) -> torch.Tensor:
+    """x [rows, k] bf16 times the weight packed by pack_bf16_weight, plus bias: [rows, n].
+    gated: the weight is interleave_gate_up's, and the result silu(gate) * up [rows, n]."""
+    x = x.contiguous()
+    rows, k = x.shape
+    out = x.new_empty((rows, n))
+    load_library().gemm_bf16(
+        out.data_ptr(), x.data_ptr(), packed.data_ptr(), _ptr(bias), rows, n, k, int(gated),
         torch.get_num_threads(),
     )  # fmt: skip
     return out
