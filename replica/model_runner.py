@@ -81,8 +81,9 @@ def kv_blocks_for_gpu(total_bytes: int, utilization: float, used_bytes: int, byt
 
 
 def _transformers_decoder(decoder: torch.nn.Module):
-    def run(input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        return decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+    def run(input_ids: torch.Tensor, position_ids: torch.Tensor, rows: torch.Tensor | None = None):
+        hidden = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+        return hidden if rows is None else hidden[:, rows]
 
     return run
 
@@ -132,7 +133,8 @@ class ModelRunner:
         kv_heads = num_kv_heads(hf) if group is None else shard_model(self.model, group).num_kv
         self.model.to(self.device).eval()
         fused = optimize_for_cpu(self.model) if name == CPU_KERNELS else None
-        # (input_ids [1, T], position_ids [1, T]) -> final hidden states [1, T, E]
+        # (input_ids [1, T], position_ids [1, T], rows) -> final hidden states [1, T, E] of
+        # the packed rows `rows` ([R] indices; None: every row), [1, R, E]
         self.run_decoder = fused or _transformers_decoder(self.model.get_decoder())
         self.lm_head = self.model.get_output_embeddings()
 
@@ -243,11 +245,16 @@ class ModelRunner:
         ]
 
     def _forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The decoder over one packed [1, T] batch -> hidden states [1, T, E]."""
+        """The decoder over one packed [1, T] batch -> hidden states [1, T, E], or [1, R, E]
+        of the R packed rows `rows` (the others' last layer is cut short, see FusedDecoder)."""
         with forward_context(ForwardContext(self.kv_caches, meta)):
-            return self.run_decoder(input_ids, position_ids)
+            return self.run_decoder(input_ids, position_ids, rows)
 
     def _forward_packed(
         self,
@@ -255,7 +262,9 @@ class ModelRunner:
         context_lens: list[int],
         block_tables: list[list[int]],
         fill: Fill | None = None,
+        rows: list[int] | None = None,
     ) -> torch.Tensor:
+        """rows: the packed rows whose hidden states are wanted (None: all)."""
         query_lens = [len(t) for t in token_ids]
         flat = [t for row in token_ids for t in row]
         positions = [p for ctx, q in zip(context_lens, query_lens, strict=True) for p in range(ctx - q, ctx)]
@@ -264,7 +273,9 @@ class ModelRunner:
         if fill is not None:  # decode rows come first, so decode row i is packed token i
             input_ids[0, fill[0]] = fill[1]
         position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)
-        return self._forward(input_ids, position_ids, meta)
+        if rows is not None:
+            rows = torch.tensor(rows, dtype=torch.long, device=self.device)
+        return self._forward(input_ids, position_ids, meta, rows)
 
     def _share_fill(self, fill: Fill | None, fill_rows: list[int] | None) -> Fill | None:
         """Rank 0's device-held tokens, broadcast to the ranks that only know their rows."""
@@ -303,15 +314,14 @@ class ModelRunner:
         pure_decode = all(q == 1 for q in query_lens)
         if self.graphs is not None and pure_decode and self.graphs.can_run(len(token_ids)):
             hidden = self.graphs.run([t[0] for t in token_ids], context_lens, block_tables, fill)  # [n, E]
-            last_rows = list(range(len(token_ids)))
+            hidden = hidden if len(sample_rows) == len(token_ids) else hidden[sample_rows]
         else:
+            last_rows = list(itertools.accumulate(query_lens))
+            rows = [last_rows[i] - 1 for i in sample_rows]
+            if rows == list(range(last_rows[-1])):  # a decode step where every row samples
+                rows = None
             with self.cores.for_step(sum(query_lens)) if self.cores else contextlib.nullcontext():
-                hidden = self._forward_packed(token_ids, context_lens, block_tables, fill)[0]  # [T, E]
-            last_rows = [end - 1 for end in itertools.accumulate(query_lens)]
+                hidden = self._forward_packed(token_ids, context_lens, block_tables, fill, rows)[0]  # [R, E]
         if not sample_rows:
             return hidden.new_empty((0, self.vocab_size))
-        rows = [last_rows[i] for i in sample_rows]
-        if rows == list(range(hidden.shape[0])):  # a decode step where every row samples: no index
-            return self.lm_head(hidden)
-        rows = torch.tensor(rows, dtype=torch.long, device=self.device)
-        return self.lm_head(hidden[rows])
+        return self.lm_head(hidden)

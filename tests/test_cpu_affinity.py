@@ -46,9 +46,9 @@ def test_long_prefills_burst_onto_every_core_and_decodes_stay_steady(
     seen = []  # (tokens, the engine thread's cores, torch threads) of each forward
     forward = runner._forward_packed
 
-    def recording(token_ids, *args):
+    def recording(token_ids, *args, **kwargs):
         seen.append((sum(map(len, token_ids)), sorted(os.sched_getaffinity(0)), torch.get_num_threads()))
-        return forward(token_ids, *args)
+        return forward(token_ids, *args, **kwargs)
 
     monkeypatch.setattr(runner, "_forward_packed", recording)
     long_prompt = tokenizer("Paged memory, " * 200)["input_ids"][: BURST_MIN_TOKENS + 40]

@@ -1,4 +1,4 @@
-"""Build the C kernels (kernels.c, gemm.c) once per machine and load them with ctypes.
+"""Build the C kernels (kernels.c, gemm.c, decoder.c) once per machine and load them with ctypes.
 
 The library is compiled for the CPU it runs on (-march=native), so it is built where it
 is used, not shipped: the first engine on a machine compiles it (about a second) into
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from replica.model_loader import cache_root
 
-SOURCES = [Path(__file__).with_name(name) for name in ("kernels.c", "gemm.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("kernels.c", "gemm.c", "decoder.c")]
 HEADERS = [Path(__file__).with_name("exp512.h")]
 FLAGS = [
     "-O3",

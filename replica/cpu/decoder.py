@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from replica.cpu.layers import PackedLinear, RMSNorm, RotaryPagedAttention, SiluMLP
+from replica.cpu.native_decoder import NativeDecoder
 
 # transformers classes whose math the stand-ins reproduce exactly.
 RMS_NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"}
@@ -37,6 +38,9 @@ class FusedDecoder(nn.Module):
         self.post_norms = nn.ModuleList(RMSNorm(layer.post_attention_layernorm) for layer in decoder.layers)
         self.mlps = nn.ModuleList(SiluMLP(layer.mlp) for layer in decoder.layers)
         self.norm = RMSNorm(decoder.norm)
+        # decoder.c's loop over the same kernels, where it covers this model (bf16 on
+        # AVX512-BF16 CPUs): the same result without Python between the kernels.
+        self.native = NativeDecoder(self) if NativeDecoder.supports(self) else None
 
     @staticmethod
     def supports(decoder: nn.Module) -> bool:
@@ -50,19 +54,31 @@ class FusedDecoder(nn.Module):
             for layer in layers
         )
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """[1, T] ids and positions -> final hidden states [1, T, E]."""
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """[1, T] ids and positions -> final hidden states [1, T, E], or [1, R, E] of the
+        packed rows `rows` [R]. The other rows' last layer stops once their K and V are in
+        the cache: nothing reads the rest (its o_proj and MLP are a thirtieth of a prompt
+        token's GEMMs in a 30-layer model)."""
         residual = self.embed_tokens(input_ids[0])  # [T, E]; updated in place by each fused add
         cos, sin = self.rotary_emb(residual, position_ids)
         cos, sin = cos[0].contiguous(), sin[0].contiguous()  # [T, head_dim], once for every layer
+        if self.native is not None:
+            final = self.native.forward(residual, cos, sin, rows)
+            if final is not None:
+                return final[None]
         out = None
+        last = len(self.attentions) - 1
         # Bound forwards: nn.Module's call machinery costs as much as a small kernel here.
-        for input_norm, attention, post_norm, mlp in zip(
-            self.input_norms, self.attentions, self.post_norms, self.mlps, strict=True
+        for i, (input_norm, attention, post_norm, mlp) in enumerate(
+            zip(self.input_norms, self.attentions, self.post_norms, self.mlps, strict=True)
         ):
             # out is the previous layer's MLP output: add it in, then normalise.
             hidden = input_norm.forward(residual) if out is None else input_norm.forward(out, residual)
             out = attention.attend(hidden, cos, sin)
+            if i == last and rows is not None:
+                out, residual = out[rows], residual[rows]
             out = mlp.forward(post_norm.forward(out, residual))
         final = self.norm.forward(residual) if out is None else self.norm.forward(out, residual)
         return final[None]

@@ -160,7 +160,7 @@ def paged_attention(
     if cos is not None and not (cos.dtype == q.dtype and cos.is_contiguous() and sin.is_contiguous()):
         cos, sin = cos.to(q.dtype).contiguous(), sin.to(q.dtype).contiguous()
     out = q.new_empty((num_tokens, num_heads, head_dim))
-    kernel_args, fresh_runs = _step_arguments(meta)
+    kernel_args, fresh_runs = step_arguments(meta)
     load_library().paged_attention(
         out.data_ptr(), q.data_ptr(), q.stride(0), q.stride(1),
         k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
@@ -203,7 +203,7 @@ def rotary_embed(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return out
 
 
-def _step_arguments(meta: AttentionMetadata) -> tuple[tuple, list[tuple[int, int, int]]]:
+def step_arguments(meta: AttentionMetadata) -> tuple[tuple, list[tuple[int, int, int]]]:
     """The metadata as the kernel's arguments (slots, token count, decode rows, the prefill
     chunks it attends), and the fresh prefills SDPA attends as runs of equal-length chunks
     (first row, end row, chunk length), each one batched SDPA call. Built on a step's

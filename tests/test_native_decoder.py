@@ -1,0 +1,92 @@
+"""decoder.c's whole-step loop (NativeDecoder) against FusedDecoder's Python loop over
+the same kernels: in bf16 the two must give the same tokens and the same logprobs, bit
+for bit, through chunked prefill, prefix-cache hits, decode batches, and the last
+layer's cut to the rows that sample. Models it does not cover keep the Python loop."""
+
+import pytest
+import torch
+from test_other_models import CONFIGS
+from transformers import AutoModelForCausalLM
+
+from replica import LLM, SamplingParams
+from replica.cpu import build
+
+pytestmark = pytest.mark.skipif(
+    build.compiler() is None or not torch.cpu._is_avx512_bf16_supported(),
+    reason="the native decoder runs gemm.c's bf16 kernel, which needs a C compiler and AVX512-BF16",
+)
+
+
+def _both_loops(llm: LLM, prompts, params) -> tuple[list, list, int]:
+    """(native outputs, Python-loop outputs, steps the native loop ran) for one workload."""
+    fused = llm.engine.runner.run_decoder
+    native, runs = fused.native, []
+    forward = native.forward
+
+    def counted(*args):
+        out = forward(*args)
+        runs.append(out is not None)
+        return out
+
+    native.forward = counted
+    try:
+        ours = llm.generate(prompts, params, use_tqdm=False)
+        llm.engine.kv.pool.reset_prefix_cache()
+        fused.native = None
+        theirs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        fused.native = native
+        native.forward = forward
+    return ours, theirs, sum(runs)
+
+
+def _assert_same(ours, theirs) -> None:
+    for a, b in zip(ours, theirs, strict=True):
+        assert a.token_ids == b.token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs  # the top alternatives' too
+
+
+@pytest.fixture(scope="module")
+def bundled_bf16(model_path):
+    # A small token budget splits prompts into chunks; prefix caching gives cache hits.
+    return LLM(str(model_path), dtype="bfloat16", kv_cache_memory_gb=0.1, block_size=16,
+               max_num_batched_tokens=96, max_num_seqs=8)  # fmt: skip
+
+
+def test_bundled_model_same_as_python_loop(bundled_bf16, tokenizer):
+    assert bundled_bf16.engine.runner.run_decoder.native is not None
+    texts = ["The capital of France is", "Write a haiku about paged memory. " * 6, "x", "1, 2, 3,"]
+    prompts = [tokenizer(t).input_ids for t in texts]
+    prompts.append(prompts[1][:40] + tokenizer(" and then").input_ids)  # shares full blocks with prompts[1]
+    params = [
+        SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=1) for n in (9, 20, 5, 14, 11)
+    ]
+    ours, theirs, native_steps = _both_loops(bundled_bf16, prompts, params)
+    _assert_same(ours, theirs)
+    assert native_steps >= 20
+
+
+@pytest.mark.parametrize("name", ["llama-gqa4", "qwen2-bias"])
+def test_random_models_same_as_python_loop(name, tmp_path, tokenizer):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(CONFIGS[name]).eval()
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), dtype="bfloat16", block_size=4, max_num_batched_tokens=8)
+    assert llm.engine.runner.run_decoder.native is not None
+    prompts = [tokenizer(p).input_ids for p in ["Hello there", "A longer prompt with more tokens in it", "x"]]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+    ours, theirs, native_steps = _both_loops(llm, prompts, params)
+    _assert_same(ours, theirs)
+    assert native_steps > 0
+
+
+def test_models_it_does_not_cover_keep_the_python_loop(tmp_path, tokenizer, model_path):
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(CONFIGS["qwen3"]).save_pretrained(tmp_path)  # q/k norms
+    tokenizer.save_pretrained(tmp_path)
+    assert LLM(str(tmp_path), dtype="bfloat16").engine.runner.run_decoder.native is None
+    # fp32 linears go through oneDNN, which the C loop cannot call.
+    assert (
+        LLM(str(model_path), dtype="float32", kv_cache_memory_gb=0.1).engine.runner.run_decoder.native is None
+    )
