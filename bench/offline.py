@@ -21,8 +21,10 @@ systems, and reported by their median (machines here are shared and noisy); the 
 baselines, 3-30x slower, once.
 
 Roofline: model FLOPs needed by the workload's GEMMs over the fastest GEMM rate this CPU
-reaches: oneDNN with prepacked weights, on the model's own linear shapes, at the rows of
-a decode step (max sequences) and of a prefill step (the token budget).
+reaches on the model's own linear shapes, at the rows of a decode step (max sequences)
+and of a prefill step (the token budget): the faster of oneDNN with prepacked weights
+and kvserve's own bf16 kernel (replica/cpu/gemm.c, on AVX512-BF16 CPUs), each timed with
+a layer's weights streamed as a step streams them.
 
     bash bench/setup_vllm.sh && python bench/offline.py  # -> bench/results/offline_cpu.{json,png}
     python bench/offline.py --quick                       # smoke run
@@ -162,24 +164,42 @@ def model_flops(model) -> tuple[int, int]:
     return 2 * decoder, 2 * model.get_output_embeddings().weight.numel()
 
 
-def prepacked_gemm_rate(model, rows: int, dtype: torch.dtype) -> float:
-    """FLOP/s of oneDNN with prepacked weights over the model's own linear shapes (each
-    distinct shape once per layer, as a step runs them) at `rows` rows."""
+def gemm_rate(model, rows: int, dtype: torch.dtype) -> dict[str, float]:
+    """FLOP/s over the model's own linear shapes (each distinct shape once per layer, as a
+    step runs them) at `rows` rows: oneDNN with prepacked weights, and gemm.c's kernel
+    where this CPU has it."""
+    from replica.cpu import ops
+
     shapes = [tuple(m.weight.shape) for m in model.get_decoder().modules() if isinstance(m, torch.nn.Linear)]
-    weights = [torch.ops.mkldnn._reorder_linear_weight(torch.randn(s, dtype=dtype), rows) for s in shapes]
+    weights = [torch.randn(s, dtype=dtype) for s in shapes]
     inputs = {k: torch.randn(rows, k, dtype=dtype) for k in {s[1] for s in shapes}}
+    # name -> (the weights as that kernel takes them, one GEMM of input width k, output width n)
+    kernels = {
+        "onednn": (
+            [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights],
+            lambda w, k, n: torch.ops.mkldnn._linear_pointwise(inputs[k], w, None, "none", [], ""),
+        )
+    }
+    if dtype == torch.bfloat16 and ops.bf16_gemm_available():
+        kernels["kvserve"] = (
+            [ops.pack_bf16_weight(w) for w in weights],
+            lambda w, k, n: ops.gemm_bf16(inputs[k], w, None, n),
+        )
+    rates = {}
+    for name, (packed, kernel) in kernels.items():
 
-    def step() -> None:
-        for w, (_, k) in zip(weights, shapes, strict=True):
-            torch.ops.mkldnn._linear_pointwise(inputs[k], w, None, "none", [], "")
+        def step(packed=packed, kernel=kernel) -> None:
+            for w, (n, k) in zip(packed, shapes, strict=True):
+                kernel(w, k, n)
 
-    step()
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
         step()
-        best = min(best, time.perf_counter() - start)
-    return 2 * rows * sum(n * k for n, k in shapes) / best
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            step()
+            best = min(best, time.perf_counter() - start)
+        rates[name] = 2 * rows * sum(n * k for n, k in shapes) / best
+    return rates
 
 
 def build_cases(args, vocab: int) -> list[dict]:
@@ -203,12 +223,16 @@ def build_cases(args, vocab: int) -> list[dict]:
 
 
 def gemm_rates(hf, args, dtype: torch.dtype) -> dict:
-    print("measuring prepacked GEMM rates ...", flush=True)
+    """The fastest rate at a decode step's and a prefill step's rows, and each kernel's."""
+    print("measuring GEMM rates ...", flush=True)
+    decode = gemm_rate(hf, args.batch_size, dtype)
+    prefill = gemm_rate(hf, args.max_num_batched_tokens, dtype)
     rates = {
         "decode_rows": args.batch_size,
-        "decode_flops": prepacked_gemm_rate(hf, args.batch_size, dtype),
+        "decode_flops": max(decode.values()),
         "prefill_rows": args.max_num_batched_tokens,
-        "prefill_flops": prepacked_gemm_rate(hf, args.max_num_batched_tokens, dtype),
+        "prefill_flops": max(prefill.values()),
+        "by_kernel": {"decode": decode, "prefill": prefill},
     }
     print(f"  {rates['decode_flops'] / 1e9:.0f} GFLOP/s at {args.batch_size} rows, "
           f"{rates['prefill_flops'] / 1e9:.0f} at {args.max_num_batched_tokens}", flush=True)  # fmt: skip
@@ -388,7 +412,7 @@ def main() -> None:
         + "hf_generate_batch drives "
         "transformers' ContinuousBatchingManager (the engine behind generate_batch), started and warmed up "
         "before timing, with each request's own max_new_tokens.",
-        "gemm_rates_prepacked": rates,
+        "gemm_rates": rates,
         "model_flops_per_token": {"decoder": decoder_flops, "lm_head": lm_head_flops},
         "results": rows,
     }

@@ -4,9 +4,11 @@ Each phase of Engine.step is timed (scheduling, input preparation, the decoder f
 lm_head, sampling, output objects), and inside the forward each kind of work: GEMMs,
 attention, norms, the MLP activation, rotary, and what is left (Python per layer, small
 torch ops). Times are self times: a GEMM inside attention counts as GEMM. The same
-workload runs on the torch attention backend with transformers' modules (kvserve before
-the CPU fast path) and on the `cpu` backend (C kernels, packed GEMMs, fused decoder), so
-the breakdown shows what the fast path removed and what is left.
+workload runs three ways: the torch attention backend with transformers' modules
+(kvserve before the CPU fast path); the `cpu` backend's kernels called layer by layer
+from FusedDecoder's Python loop, which shows each kind of kernel; and the same kernels
+from decoder.c's one call per step (what runs by default where it applies), whose
+kernels Python cannot see, so the breakdown shows what the Python between them cost.
 
     python bench/profile_step.py          # -> bench/results/profile_step_cpu.json
 """
@@ -89,6 +91,9 @@ def instrument(timer: SelfTimer, llm: LLM, backend: str) -> list:
     patch(replica.engine, "sample", "step: sampling")
     patch(engine.sampling, "batch", "step: sampling")
     patch(engine, "_append_token", "step: output objects (detokenize, stop checks)")
+    native = getattr(runner.run_decoder, "native", None)
+    if native is not None:
+        patch(native, "forward", "forward: C decoder step (every layer's kernels)")
     if backend == "cpu":
         patch(layers.PackedLinear, "forward", "forward: GEMM")
         patch(ops, "paged_attention", "forward: attention (with rotary and KV write)")
@@ -107,8 +112,14 @@ def instrument(timer: SelfTimer, llm: LLM, backend: str) -> list:
     return undo
 
 
-def profile(backend: str, prompts, lengths, engine_args: dict) -> dict:
+def profile(backend: str, native: bool, prompts, lengths, engine_args: dict) -> dict:
     llm = LLM(None, attention_backend=backend, **engine_args)
+    fused = llm.engine.runner.run_decoder if backend == "cpu" else None
+    if fused is not None and not native:
+        fused.native = None
+    loop = "transformers' modules"
+    if fused is not None:
+        loop = "C (decoder.c)" if fused.native is not None else "FusedDecoder's Python loop"
     run_kvserve(llm, prompts[:4], [4] * 4)  # warm-up
     timer = SelfTimer()
     undo = instrument(timer, llm, backend)
@@ -129,6 +140,7 @@ def profile(backend: str, prompts, lengths, engine_args: dict) -> dict:
     measured = sum(timer.seconds.values())
     return {
         "attention_backend": backend,
+        "decoder_loop": loop,
         "wall_seconds": wall,
         "steps": steps,
         "output_tokens_per_s": sum(lengths) / wall,
@@ -162,10 +174,15 @@ def main() -> None:
         "outside the listed kernels (Python per layer, embeddings, small torch ops); 'step: input "
         "preparation' is the runner's time outside the forward and lm_head (attention metadata, "
         "input tensors, gathering the rows that sample).",
-        "runs": [profile(backend, prompts, lengths, engine_args) for backend in args.backends],
+        "runs": [
+            profile(backend, native, prompts, lengths, engine_args)
+            for backend in args.backends
+            for native in ((False, True) if backend == "cpu" else (False,))
+        ],
     }
     for run in result["runs"]:
-        print(f"\n{run['attention_backend']}: {run['wall_seconds']:.1f} s, {run['steps']} steps, "
+        print(f"\n{run['attention_backend']} ({run['decoder_loop']}): {run['wall_seconds']:.1f} s, "
+              f"{run['steps']} steps, "
               f"{run['output_tokens_per_s']:.0f} tok/s")  # fmt: skip
         for name, ms in run["ms_per_step"].items():
             print(f"  {ms:7.2f} ms/step  {run['share'][name]:6.1%}  {name}")

