@@ -66,6 +66,17 @@ def test_bundled_model_same_as_python_loop(bundled_bf16, tokenizer):
     assert native_steps >= 20
 
 
+def test_steps_where_no_row_samples(model_path, tokenizer):
+    """One sequence at a time and 16 tokens a step: a long prompt's first steps are
+    chunks that sample nothing, so the last layer keeps no rows at all."""
+    llm = LLM(str(model_path), dtype="bfloat16", num_kv_blocks=64, max_num_batched_tokens=16, max_num_seqs=1)
+    prompts = [tokenizer("Paged memory, " * 20).input_ids, tokenizer("Hi").input_ids]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1)
+    ours, theirs, native_steps = _both_loops(llm, prompts, params)
+    _assert_same(ours, theirs)
+    assert native_steps >= len(prompts[0]) // 16 + 10
+
+
 @pytest.mark.parametrize("name", ["llama-gqa4", "qwen2-bias"])
 def test_random_models_same_as_python_loop(name, tmp_path, tokenizer):
     torch.manual_seed(0)

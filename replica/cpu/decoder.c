@@ -60,8 +60,9 @@ static void keep_rows(bf16* x, int64_t n, const int64_t* rows, int64_t kept) {
 }
 
 /* residual [T, E]: the embeddings in; used as the skip connection. out [R, E]: the final
- * normed hidden states of the packed rows `rows` (R of them, ascending), or of every row
- * when rows is NULL (R = T). cos/sin [T, D]. scratch: decoder_scratch_elements(T) bf16. */
+ * normed hidden states of the packed rows `rows` (R = num_rows of them, ascending, maybe
+ * none), or of every row when num_rows < 0 (R = T). cos/sin [T, D]. scratch:
+ * decoder_scratch_elements(T) bf16. */
 void decoder_forward(const DecoderShape* shape, const DecoderLayer* layers, const StepLayout* step, bf16* residual,
                      const bf16* cos, const bf16* sin, const int64_t* rows, int64_t num_rows, bf16* out,
                      bf16* scratch, int num_threads) {
@@ -86,7 +87,7 @@ void decoder_forward(const DecoderShape* shape, const DecoderLayer* layers, cons
                         step->num_prefills, step->prefill_starts, step->prefill_ends, step->prefill_lens,
                         step->prefill_tables, step->prefill_width, shape->num_heads, shape->num_kv_heads,
                         (int)D, shape->block_size, shape->scale, 1, num_threads);
-        if (i == shape->num_layers - 1 && rows != NULL) {
+        if (i == shape->num_layers - 1 && num_rows >= 0) {
             /* Only these rows go on: the others' KV is written, and nothing reads the rest. */
             keep_rows(attended, q_width, rows, num_rows);
             keep_rows(residual, E, rows, num_rows);

@@ -133,12 +133,12 @@ class NativeDecoder:
         needed = self._lib.decoder_scratch_elements(ctypes.byref(shape), num_tokens)
         if self._scratch.numel() < needed:
             self._scratch = torch.empty(needed, dtype=torch.bfloat16)
-        num_rows = num_tokens if rows is None else rows.shape[0]
-        out = residual.new_empty((num_rows, self.hidden))
+        num_rows = -1 if rows is None else rows.shape[0]  # -1: every row
+        out = residual.new_empty((num_tokens if rows is None else num_rows, self.hidden))
         cos, sin = cos.to(torch.bfloat16).contiguous(), sin.to(torch.bfloat16).contiguous()
         self._lib.decoder_forward(
             ctypes.byref(shape), self._layers, ctypes.byref(_Step(*kernel_args)), residual.data_ptr(),
-            cos.data_ptr(), sin.data_ptr(), None if rows is None else rows.data_ptr(), num_rows,
+            cos.data_ptr(), sin.data_ptr(), rows.data_ptr() if num_rows > 0 else None, num_rows,
             out.data_ptr(), self._scratch.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         return out
