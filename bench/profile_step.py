@@ -73,6 +73,7 @@ class SelfTimer:
 def instrument(timer: SelfTimer, llm: LLM, backend: str) -> list:
     """Wrap the engine's phases and the forward's kinds of work; returns undo actions."""
     engine, runner = llm.engine, llm.engine.runner
+    native = getattr(runner.run_decoder, "native", None)  # before run_decoder is wrapped
     undo = []
 
     def patch(owner, name: str, category: str) -> None:
@@ -91,7 +92,6 @@ def instrument(timer: SelfTimer, llm: LLM, backend: str) -> list:
     patch(replica.engine, "sample", "step: sampling")
     patch(engine.sampling, "batch", "step: sampling")
     patch(engine, "_append_token", "step: output objects (detokenize, stop checks)")
-    native = getattr(runner.run_decoder, "native", None)
     if native is not None:
         patch(native, "forward", "forward: C decoder step (every layer's kernels)")
     if backend == "cpu":
