@@ -1,7 +1,7 @@
 """Build the C kernels (kernels.c, gemm.c, decoder.c) once per machine and load them with ctypes.
 
 The library is compiled for the CPU it runs on (-march=native), so it is built where it
-is used, not shipped: the first engine on a machine compiles it (about a second) into
+is used, not shipped: the first engine on a machine compiles it (a few seconds) into
 the kvserve cache, keyed by the source, the compiler and the CPU, and every later
 process loads the file. It links libgomp by soname, so it shares the OpenMP runtime and
 thread pool torch already loaded instead of starting a second one.
@@ -20,7 +20,7 @@ from pathlib import Path
 from replica.model_loader import cache_root
 
 SOURCES = [Path(__file__).with_name(name) for name in ("kernels.c", "gemm.c", "decoder.c")]
-HEADERS = [Path(__file__).with_name("exp512.h")]
+HEADERS = [Path(__file__).with_name("avx512_bf16.h")]
 FLAGS = [
     "-O3",
     "-march=native",

@@ -5,8 +5,9 @@
  *
  * Why: a step calls eight kernels per layer. From Python each call costs a few
  * microseconds of argument handling and tensor allocation, while the other thread spins
- * in OpenMP; for a small model that is up to half of a decode step (at one sequence, 30
- * layers: about 5 of 13 ms). Here the calls cost nothing, and scratch buffers are reused. */
+ * in OpenMP; for a small model that is a quarter of a one-sequence decode step (30
+ * layers: 12-13 ms from Python, 9.4 ms here). Here the calls cost nothing, and scratch
+ * buffers are reused. */
 #include <stdint.h>
 #include <string.h>
 

@@ -91,18 +91,8 @@ static inline float exp_clamped(float x) {
 }
 
 /* ------------------------------------------------------------------------------------ */
-/* RMSNorm as transformers' Llama family computes it: normalise in fp32, round to the
- * input dtype, then multiply by the weight in that dtype. With `residual` given, the
- * decoder layer's skip connection comes first, fused in: residual = residual + x (rounded
- * to the dtype, in place), then out = norm(residual). All [rows, n], contiguous. */
 #if defined(__AVX512BF16__)
-static inline __m512 widen_bf16(const bf16* p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-
-static inline __m512 narrow_widen(__m512 x) { /* round to bf16, back to fp32 */
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
-}
+#include "avx512_bf16.h"
 
 /* rms_norm for bf16 rows of a multiple of 16 elements, 16 lanes at a time: the same
  * rounding points, the sum of squares in 16 lanes (a different order of fp32 adds). */
@@ -114,24 +104,27 @@ static void rms_norm_bf16(bf16* out, const bf16* x, bf16* residual, const bf16* 
         bf16* rr = residual ? residual + r * n : NULL;
         __m512 squares = _mm512_setzero_ps();
         for (int i = 0; i < n; i += 16) {
-            __m512 v = widen_bf16(xr + i);
+            __m512 v = bf16_load(xr + i, 0xffff);
             if (rr) {
-                v = narrow_widen(_mm512_add_ps(widen_bf16(rr + i), v));
-                _mm256_storeu_si256((__m256i*)(rr + i), (__m256i)_mm512_cvtneps_pbh(v));
+                v = bf16_round(_mm512_add_ps(bf16_load(rr + i, 0xffff), v));
+                bf16_store(rr + i, 0xffff, v);
             }
             squares = _mm512_fmadd_ps(v, v, squares);
         }
         const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(squares) / (float)n + eps));
         const bf16* src = rr ? rr : xr;
         for (int i = 0; i < n; i += 16) {
-            const __m512 v = narrow_widen(_mm512_mul_ps(widen_bf16(src + i), inv));
-            _mm256_storeu_si256((__m256i*)(out + r * n + i),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(widen_bf16(weight + i), v)));
+            const __m512 v = bf16_round(_mm512_mul_ps(bf16_load(src + i, 0xffff), inv));
+            bf16_store(out + r * n + i, 0xffff, _mm512_mul_ps(bf16_load(weight + i, 0xffff), v));
         }
     }
 }
 #endif
 
+/* RMSNorm as transformers' Llama family computes it: normalise in fp32, round to the
+ * input dtype, then multiply by the weight in that dtype. With `residual` given, the
+ * decoder layer's skip connection comes first, fused in: residual = residual + x (rounded
+ * to the dtype, in place), then out = norm(residual). All [rows, n], contiguous. */
 void rms_norm(void* out, const void* x, void* residual, const void* weight, int64_t rows, int n, float eps,
               int is_bf16, int num_threads) {
 #if defined(__AVX512BF16__)
@@ -533,7 +526,6 @@ static inline void prefetch_pages(const Layer* L, const WorkItem* it, int first,
 }
 
 #if defined(__AVX512BF16__)
-#include "exp512.h"
 
 /* Paired bf16 pages. Queries are the rotated bf16 values transformers would use (scores
  * are scaled after the products); probabilities are rounded to bf16 for the weighted
