@@ -77,7 +77,11 @@ async def follow_snapshots(
             if coordinator is None:
                 coordinator = await loop.run_in_executor(None, get_coordinator, address)
             asked_at = time.monotonic()
-            use(await asyncio.wait_for(coordinator.snapshot.remote(), timeout=2.0), asked_at)
+            # Not asyncio.wait_for: on Python 3.11 it returns the result of a call that
+            # completes just as the task is cancelled, and this loop would then never end.
+            async with asyncio.timeout(2.0):
+                snapshot = await coordinator.snapshot.remote()
+            use(snapshot, asked_at)
         except Exception as e:
             if coordinator is not None:
                 logger.warning(f"lost the coordinator, {fallback} ({e!r})")

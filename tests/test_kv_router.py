@@ -17,7 +17,7 @@ from ray.serve.request_router import PendingRequest
 from deployments.app import build_app
 from kvcache import KVCacheManager, hash_full_blocks
 from replica import SamplingParams
-from router.coordinator import coordinator_address, get_coordinator
+from router.coordinator import coordinator_address, follow_snapshots, get_coordinator
 from router.kv_router import (
     KVAwareRouter,
     ReplicaView,
@@ -200,6 +200,40 @@ def test_reports_are_dated_by_age_so_clock_skew_between_nodes_does_not_matter(ra
     try:
         assert asyncio.run(scenario()) == {"a": 5, "b": 5}
     finally:
+        ray.kill(coordinator)
+
+
+def test_following_snapshots_ends_whenever_it_is_cancelled(ray_cluster):
+    """A router's snapshot loop, cancelled at random moments, some just as a snapshot
+    arrives, ends every time. (Through asyncio.wait_for, Python 3.11 kept about one
+    cancellation in eight: the loop went on polling, and asyncio.run, which cancels it on
+    the way out, waited forever. A full test run hung that way.)"""
+    address = ("kvserve-test", "coordinator:cancel")
+    coordinator = get_coordinator(address)
+
+    async def cancel_at_random(times: int) -> int:
+        snapshots = 0
+
+        def use(snapshot: dict, asked_at: float) -> None:
+            nonlocal snapshots
+            snapshots += 1
+
+        still_running = 0
+        for _ in range(times):
+            task = asyncio.create_task(follow_snapshots(address, 0.0, use, "nothing"))
+            await asyncio.sleep(random.uniform(0.0, 0.01))
+            task.cancel()
+            done, _ = await asyncio.wait({task}, timeout=1.0)
+            still_running += not done
+        assert snapshots > times, "the loop should have fetched snapshots between cancellations"
+        return still_running
+
+    # Not asyncio.run: it would wait forever for a task that ignored its cancellation.
+    loop = asyncio.new_event_loop()
+    try:
+        assert loop.run_until_complete(cancel_at_random(150)) == 0
+    finally:
+        loop.close()
         ray.kill(coordinator)
 
 
