@@ -25,22 +25,10 @@ class _Layer(ctypes.Structure):
 
 class _Shape(ctypes.Structure):
     _fields_ = [
-        *(
-            (name, ctypes.c_int)
-            for name in (
-                "num_layers",
-                "hidden",
-                "num_heads",
-                "num_kv_heads",
-                "head_dim",
-                "intermediate",
-                "block_size",
-            )
-        ),  # fmt: skip
-        ("eps", ctypes.c_float),
-        ("scale", ctypes.c_float),
-        ("final_norm", _ptr),
-    ]
+        *((name, ctypes.c_int) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim",
+                                            "intermediate", "block_size")),
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("final_norm", _ptr),
+    ]  # fmt: skip
 
 
 class _Step(ctypes.Structure):
@@ -106,10 +94,11 @@ class NativeDecoder:
         linears = [m for a in fused.attentions for m in (a.qkv, a.o_proj)]
         linears += [m for mlp in fused.mlps for m in (mlp.gate_up, mlp.down)]
         norms = [*fused.input_norms, *fused.post_norms, fused.norm]
+        if not fused.attentions:
+            return False
         first = fused.attentions[0]
         return (
-            len(fused.attentions) > 0
-            and all(m.own_kernel and m.group is None for m in linears)
+            all(m.own_kernel and m.group is None for m in linears)
             and all(a.q_norm is None and a.k_norm is None for a in fused.attentions)
             and all(n.weight.dtype == torch.bfloat16 and n.eps == fused.norm.eps for n in norms)
             and all(
