@@ -506,6 +506,11 @@ static void attend_any(const Layer* L, const WorkItem* it, const Scratch* w) {
     store_outputs(L, it, w, group);
 }
 
+/* The blocks an item attends: its sequence's up to its last row's. */
+static inline int item_blocks(const WorkItem* it, int block_size) {
+    return (it->first_pos + it->nrows - 1) / block_size + 1;
+}
+
 /* Start loading blocks first..last of an item (its K and V pages) into L2: they sit
  * anywhere in the cache, so the hardware prefetchers cannot guess them, and a decode
  * step reads far more KV than fits in L3. A few blocks ahead of the attention rather
@@ -514,8 +519,7 @@ static void attend_any(const Layer* L, const WorkItem* it, const Scratch* w) {
  * in flight. */
 static inline void prefetch_pages(const Layer* L, const WorkItem* it, int first, int last) {
     const int64_t page_bytes = (int64_t)L->block_size * L->head_dim * (L->is_bf16 ? 2 : 4);
-    const int last_pos = it->first_pos + it->nrows - 1;
-    if (last > last_pos / L->block_size) last = last_pos / L->block_size;
+    if (last >= item_blocks(it, L->block_size)) last = item_blocks(it, L->block_size) - 1;
     for (int b = first; b <= last; b++) {
         const int64_t page = ((int64_t)it->block_table[b] * L->num_kv_heads + it->kv_head) * page_bytes;
         for (int64_t x = 0; x < page_bytes; x += 64) {
@@ -656,7 +660,7 @@ static inline __attribute__((always_inline)) void attend_paired_impl(const Layer
     for (int64_t x = 0; x < (int64_t)nq * D; x++) q16[x] = float_to_bf16(w->q[x]);
     /* Four rows' accumulators fill half the 32 vector registers at D = 64; two at D = 128. */
     const int rows = D <= 64 ? 4 : 2;
-    const int blocks = last_pos / BS + 1;
+    const int blocks = item_blocks(it, BS);
     prefetch_pages(L, it, warm, PAGES_AHEAD);
     for (int b = 0; b < blocks; b++) {
         /* The block PAGES_AHEAD + 1 on, in this item or else in the next. */
@@ -668,7 +672,7 @@ static inline __attribute__((always_inline)) void attend_paired_impl(const Layer
         const int key0 = b * BS;
         const int nk = last_pos + 1 - key0 < BS ? last_pos + 1 - key0 : BS;
         int i = 0;
-        if (it->nrows == 1 && owner != NULL && ahead <= (owner->first_pos + owner->nrows - 1) / BS) {
+        if (it->nrows == 1 && owner != NULL && ahead < item_blocks(owner, BS)) {
             /* A decode: one pass of a few hundred cycles per block, whose pages come from
              * memory. The later page's loads, issued in one burst, filled the miss queue
              * and stalled that arithmetic; spread through it, they overlap it. With the
@@ -821,8 +825,7 @@ void paged_attention(void* out, const void* q, int64_t q_stride_t, int64_t q_str
             const int64_t i = next;
             next = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
             attend(&L, &items[i], next < n ? &items[next] : NULL, warm, &w);
-            const int blocks = (items[i].first_pos + items[i].nrows - 1) / block_size + 1;
-            warm = next < n && blocks > PAGES_AHEAD ? PAGES_AHEAD + 1 : 0;
+            warm = next < n && item_blocks(&items[i], block_size) > PAGES_AHEAD ? PAGES_AHEAD + 1 : 0;
         }
         free(buf);
     }
