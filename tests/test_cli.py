@@ -206,18 +206,6 @@ def test_serve_answers_then_shuts_down_cleanly(hf_hub_cache):
         server.kill()
 
 
-def test_sigterm_under_load_ends_serve_cleanly():
-    """The SIGTERM that Kubernetes sends (to the server's process only), while streams run."""
-    server = _Serve(18571, 18572)
-    try:
-        model = server.wait_serving()
-        threads = _streams(server.url, model)
-        code, seconds, left = server.stop(signal.SIGTERM)
-        _assert_ended_cleanly(server, code, seconds, left, threads)
-    finally:
-        server.kill()
-
-
 def test_sigterm_to_every_process_ends_serve_cleanly():
     """systemd's SIGTERM, to every process of the service at once: the local Ray's GCS and
     raylet go too, and Serve cannot be shut down through them."""
@@ -231,9 +219,10 @@ def test_sigterm_to_every_process_ends_serve_cleanly():
         server.kill()
 
 
-def test_serve_with_tensor_parallel_size_2():
+def test_serve_with_tensor_parallel_size_2_and_sigterm_under_load():
     """`kvserve serve --tensor-parallel-size 2`: one replica split over two CPU processes
-    (gloo), answering the openai client; SIGTERM still ends everything."""
+    (gloo), answering the openai client. Then the SIGTERM that Kubernetes sends (to the
+    server's process only) while streams run ends everything, the second rank too."""
     server = _Serve(18575, 18576, "--tensor-parallel-size", "2")
     try:
         model = server.wait_serving()
@@ -246,8 +235,9 @@ def test_serve_with_tensor_parallel_size_2():
             p for p in psutil.Process(server.proc.pid).children(recursive=True) if "TPWorker" in _title(p)
         ]
         assert len(ranks) == 1  # rank 1; rank 0 is the replica itself
+        threads = _streams(server.url, model)
         code, seconds, left = server.stop(signal.SIGTERM)
-        _assert_ended_cleanly(server, code, seconds, left, [])
+        _assert_ended_cleanly(server, code, seconds, left, threads)
     finally:
         server.kill()
 
