@@ -271,39 +271,49 @@ void sample_rows(int64_t* out, const void* x, const float* inv_temperature, cons
 }
 
 /* ------------------------------------------------------------------------------------ */
-/* Rotary embedding on one head in place, rotate-half (GPT-NeoX) style, as transformers'
- * apply_rotary_pos_emb: x * cos + rotate_half(x) * sin, each product rounded. */
-static inline void rotate(float* restrict x, const float* restrict cos, const float* restrict sin,
-                          float* restrict tmp, int D, int is_bf16) {
+static inline float element(const void* src, int64_t i, int is_bf16) {
+    return is_bf16 ? bf16_to_float(((const bf16*)src)[i]) : ((const float*)src)[i];
+}
+
+/* dst = row `offset` of src rotated by the rotary embedding (cos and sin: row `angle` of
+ * [T, D] tables), rotate-half (GPT-NeoX) style, as transformers' apply_rotary_pos_emb:
+ * x * cos + rotate_half(x) * sin, each product rounded. Read where they lie, not widened
+ * into scratch rows first and read back from there (with store_outputs' one pass, 16-25%
+ * off the attention of sixteen 128-token prompts). */
+static inline void load_rotated(float* restrict dst, const void* src, int64_t offset, const void* cos,
+                                const void* sin, int64_t angle, int D, int is_bf16) {
     const int half = D / 2;
+    const int64_t a = angle * D;
     if (is_bf16) {
         for (int i = 0; i < half; i++) {
-            tmp[i] = round_to(round_to(x[i] * cos[i], 1) - round_to(x[i + half] * sin[i], 1), 1);
-            tmp[i + half] = round_to(round_to(x[i + half] * cos[i + half], 1) + round_to(x[i] * sin[i + half], 1), 1);
+            const float x0 = element(src, offset + i, 1), x1 = element(src, offset + i + half, 1);
+            const float c0 = element(cos, a + i, 1), c1 = element(cos, a + i + half, 1);
+            const float s0 = element(sin, a + i, 1), s1 = element(sin, a + i + half, 1);
+            dst[i] = round_to(round_to(x0 * c0, 1) - round_to(x1 * s0, 1), 1);
+            dst[i + half] = round_to(round_to(x1 * c1, 1) + round_to(x0 * s1, 1), 1);
         }
     } else {
         for (int i = 0; i < half; i++) {
-            tmp[i] = x[i] * cos[i] - x[i + half] * sin[i];
-            tmp[i + half] = x[i + half] * cos[i + half] + x[i] * sin[i + half];
+            const float x0 = element(src, offset + i, 0), x1 = element(src, offset + i + half, 0);
+            const float c0 = element(cos, a + i, 0), c1 = element(cos, a + i + half, 0);
+            const float s0 = element(sin, a + i, 0), s1 = element(sin, a + i + half, 0);
+            dst[i] = x0 * c0 - x1 * s0;
+            dst[i + half] = x1 * c1 + x0 * s1;
         }
     }
-    memcpy(x, tmp, sizeof(float) * (size_t)D);
 }
 
-/* out = x rotated by the rotary embedding (as `rotate` rounds it), for rows of any
+/* out = x rotated by the rotary embedding (as `load_rotated` rounds it), for rows of any
  * strides; out: contiguous [rows, heads, D]; cos/sin: contiguous [rows, D]. */
 void rotary_embed(void* out, const void* x, int64_t stride_t, int64_t stride_h, const void* cos, const void* sin,
                   int64_t rows, int heads, int D, int is_bf16, int num_threads) {
 #pragma omp parallel num_threads(num_threads) if (rows >= 16)
     {
-        float* buf = (float*)malloc(sizeof(float) * 4 * (size_t)D);
+        float* buf = (float*)malloc(sizeof(float) * (size_t)D);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < rows; t++) {
-            load_row(buf + D, cos, t * D, D, is_bf16);
-            load_row(buf + 2 * D, sin, t * D, D, is_bf16);
             for (int h = 0; h < heads; h++) {
-                load_row(buf, x, t * stride_t + h * stride_h, D, is_bf16);
-                rotate(buf, buf + D, buf + 2 * D, buf + 3 * D, D, is_bf16);
+                load_rotated(buf, x, t * stride_t + h * stride_h, cos, sin, t, D, is_bf16);
                 store_row(out, (t * heads + h) * D, buf, D, is_bf16);
             }
         }
@@ -356,7 +366,6 @@ typedef struct {
     float* k;   /* [D, BS] widened K page (generic); bf16 query pairs (paired pages) */
     float* v;   /* [BS, D] widened V page (generic); bf16 probabilities (paired pages) */
     float* p;   /* [2 * BS]: probabilities, and scores for attend_any */
-    float* rot; /* [3 * D]: cos, sin and a temporary for the rotary embedding */
 } Scratch;
 
 static inline int paired_pages(const Layer* L) {
@@ -382,15 +391,12 @@ static inline int64_t v_offset(const Layer* L, int j, int d) {
 static inline void load_queries(const Layer* L, const WorkItem* it, const Scratch* w, int group, float scale) {
     const int D = L->head_dim;
     for (int r = 0; r < it->nrows; r++) {
-        if (L->cos != NULL) {
-            load_row(w->rot, L->cos, (it->row0 + r) * D, D, L->is_bf16);
-            load_row(w->rot + D, L->sin, (it->row0 + r) * D, D, L->is_bf16);
-        }
         for (int g = 0; g < group; g++) {
             const int i = r * group + g, head = it->kv_head * group + g;
             float* q = w->q + (int64_t)i * D;
-            load_row(q, L->q, (it->row0 + r) * L->q_stride_t + head * L->q_stride_h, D, L->is_bf16);
-            if (L->cos != NULL) rotate(q, w->rot, w->rot + D, w->rot + 2 * D, D, L->is_bf16);
+            const int64_t offset = (it->row0 + r) * L->q_stride_t + head * L->q_stride_h;
+            if (L->cos != NULL) load_rotated(q, L->q, offset, L->cos, L->sin, it->row0 + r, D, L->is_bf16);
+            else load_row(q, L->q, offset, D, L->is_bf16);
             for (int d = 0; d < D; d++) q[d] *= scale;
             w->m[i] = -INFINITY;
             w->l[i] = 0.0f;
@@ -418,14 +424,23 @@ static inline float softmax_update(const Scratch* w, int i, const float* scores,
     return correction;
 }
 
+/* Each output is scaled and rounded in one pass. Scaled in place and then read back, the
+ * accumulators' loads waited on the stores just before them (perf's hottest lines in the
+ * attention of a prefill; one pass took 7% off it). */
 static inline void store_outputs(const Layer* L, const WorkItem* it, const Scratch* w, int group) {
     const int D = L->head_dim;
     for (int i = 0; i < it->nrows * group; i++) {
         const int head = it->kv_head * group + i % group;
-        float* acc = w->acc + (int64_t)i * D;
+        const float* acc = w->acc + (int64_t)i * D;
         const float inv = 1.0f / w->l[i];
-        for (int d = 0; d < D; d++) acc[d] *= inv;
-        store_row(L->out, (it->row0 + i / group) * (int64_t)L->num_heads * D + (int64_t)head * D, acc, D, L->is_bf16);
+        const int64_t offset = (it->row0 + i / group) * (int64_t)L->num_heads * D + (int64_t)head * D;
+        if (L->is_bf16) {
+            bf16* out = (bf16*)L->out + offset;
+            for (int d = 0; d < D; d++) out[d] = float_to_bf16(acc[d] * inv);
+        } else {
+            float* out = (float*)L->out + offset;
+            for (int d = 0; d < D; d++) out[d] = acc[d] * inv;
+        }
     }
 }
 
@@ -725,21 +740,17 @@ static void write_kv(const Layer* L, const void* k, int64_t k_stride_t, int64_t 
     const int D = L->head_dim, BS = L->block_size, Hkv = L->num_kv_heads, paired = paired_pages(L);
 #pragma omp parallel num_threads(num_threads) if (num_tokens >= 16)
     {
-        float* buf = (float*)malloc(sizeof(float) * 4 * (size_t)D);
+        float* buf = (float*)malloc(sizeof(float) * (size_t)D);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < num_tokens; t++) {
             const int64_t slot = slots[t];
             if (slot < 0) continue;
             const int64_t block = slot / BS;
             const int j = (int)(slot % BS);
-            if (L->cos != NULL) {
-                load_row(buf + D, L->cos, t * D, D, L->is_bf16);
-                load_row(buf + 2 * D, L->sin, t * D, D, L->is_bf16);
-            }
             for (int h = 0; h < Hkv; h++) {
                 const int64_t page = (block * Hkv + h) * BS * D;
-                load_row(buf, k, t * k_stride_t + h * k_stride_h, D, L->is_bf16);
-                if (L->cos != NULL) rotate(buf, buf + D, buf + 2 * D, buf + 3 * D, D, L->is_bf16);
+                if (L->cos != NULL) load_rotated(buf, k, t * k_stride_t + h * k_stride_h, L->cos, L->sin, t, D, L->is_bf16);
+                else load_row(buf, k, t * k_stride_t + h * k_stride_h, D, L->is_bf16);
                 if (paired) { /* key j's dimension pairs are 32-bit words BS apart */
                     uint32_t* kpairs = (uint32_t*)((bf16*)L->k_cache + page) + j;
                     for (int d2 = 0; d2 < D / 2; d2++)
@@ -750,13 +761,15 @@ static void write_kv(const Layer* L, const void* k, int64_t k_stride_t, int64_t 
                         else ((float*)L->k_cache)[page + k_offset(L, j, d)] = buf[d];
                     }
                 }
-                load_row(buf, v, t * v_stride_t + h * v_stride_h, D, L->is_bf16);
                 if (!paired) {
+                    load_row(buf, v, t * v_stride_t + h * v_stride_h, D, L->is_bf16);
                     store_row(L->v_cache, page + (int64_t)j * D, buf, D, L->is_bf16);
                     continue;
                 }
-                bf16* vrow = (bf16*)L->v_cache + page + v_offset(L, j, 0); /* then every other element */
-                for (int d = 0; d < D; d++) vrow[2 * d] = float_to_bf16(buf[d]);
+                /* bf16 as it came, to every other element */
+                const bf16* vsrc = (const bf16*)v + t * v_stride_t + h * v_stride_h;
+                bf16* vrow = (bf16*)L->v_cache + page + v_offset(L, j, 0);
+                for (int d = 0; d < D; d++) vrow[2 * d] = vsrc[d];
             }
         }
         free(buf);
@@ -807,7 +820,7 @@ void paged_attention(void* out, const void* q, int64_t q_stride_t, int64_t q_str
     {
         const size_t k_size = (size_t)D * (block_size > nq ? block_size : nq); /* a page, or bf16 queries */
         float* buf = (float*)malloc(sizeof(float) * ((size_t)2 * nq * D + 2 * nq + k_size + (size_t)block_size * D +
-                                                     2 * block_size + (size_t)3 * D));
+                                                     2 * block_size));
         Scratch w;
         w.q = buf;
         w.acc = w.q + (size_t)nq * D;
@@ -816,7 +829,6 @@ void paged_attention(void* out, const void* q, int64_t q_stride_t, int64_t q_str
         w.k = w.l + nq;
         w.v = w.k + k_size;
         w.p = w.v + (size_t)block_size * D;
-        w.rot = w.p + 2 * block_size;
         /* Dynamic scheduling, each item claimed one item ahead, so that its first pages
          * can load while this thread attends the one before it. */
         int64_t next = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
