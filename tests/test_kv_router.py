@@ -255,7 +255,7 @@ def test_following_snapshots_ends_whenever_it_is_cancelled(ray_cluster):
         ray.kill(coordinator)
     assert still_running == 0
     # The window spans the first snapshot's arrival, so cancellations land on both sides.
-    assert 5 <= with_snapshots <= 145, f"{with_snapshots} of 150 loops got a snapshot"
+    assert 0 < with_snapshots < 150, f"{with_snapshots} of 150 loops got a snapshot"
 
 
 def test_group_ranks_best_first_and_ties_share_a_rank():
