@@ -368,9 +368,18 @@ typedef struct {
     float* p;   /* [2 * BS]: probabilities, and scores for attend_any */
 } Scratch;
 
+/* Bounds of attend_rows' register arrays. Sized by these constants rather than by its
+ * arguments: arrays sized by arguments are variable-length, which GCC keeps in memory, so
+ * each multiply-add's accumulator went back to the stack on every iteration (7% of a
+ * 64-sequence decode's attention, 4-8% of a prefill's). */
+#define MAX_PAIRED_VECTORS 4
+#define MAX_PAIRED_BLOCK 256
+#define MAX_PAIRED_HEAD_DIM 512
+
 static inline int paired_pages(const Layer* L) {
 #if defined(__AVX512BF16__)
-    return L->is_bf16 && L->head_dim % 32 == 0 && L->block_size % 16 == 0;
+    return L->is_bf16 && L->head_dim % 32 == 0 && L->block_size % 16 == 0 && L->head_dim <= MAX_PAIRED_HEAD_DIM &&
+           L->block_size <= MAX_PAIRED_BLOCK;
 #else
     (void)L;
     return 0;
@@ -546,6 +555,37 @@ static inline void prefetch_pages(const Layer* L, const WorkItem* it, int first,
 
 #if defined(__AVX512BF16__)
 
+/* The item's queries as the bf16 rows attend_rows broadcasts, rotated and rounded as
+ * load_rotated rounds them, written once. Widened to fp32 scratch rows, scaled by 1 and
+ * converted back in two more passes, they cost a quarter of a prefill's attention, most
+ * of it waiting on the loads of rows just stored. */
+static inline void load_paired_queries(const Layer* L, const WorkItem* it, const Scratch* w, int group) {
+    const int D = L->head_dim, half = D / 2;
+    const bf16 *src = (const bf16*)L->q, *cos = (const bf16*)L->cos, *sin = (const bf16*)L->sin;
+    for (int r = 0; r < it->nrows; r++) {
+        const int64_t a = (it->row0 + r) * D;
+        for (int g = 0; g < group; g++) {
+            const int i = r * group + g, head = it->kv_head * group + g;
+            bf16* q16 = (bf16*)w->k + (int64_t)i * D;
+            const bf16* x = src + (it->row0 + r) * L->q_stride_t + head * L->q_stride_h;
+            if (cos == NULL) {
+                memcpy(q16, x, sizeof(bf16) * (size_t)D);
+            } else {
+                for (int d = 0; d < half; d++) {
+                    const float x0 = bf16_to_float(x[d]), x1 = bf16_to_float(x[d + half]);
+                    const float c0 = bf16_to_float(cos[a + d]), c1 = bf16_to_float(cos[a + d + half]);
+                    const float s0 = bf16_to_float(sin[a + d]), s1 = bf16_to_float(sin[a + d + half]);
+                    q16[d] = float_to_bf16(round_to(x0 * c0, 1) - round_to(x1 * s0, 1));
+                    q16[d + half] = float_to_bf16(round_to(x1 * c1, 1) + round_to(x0 * s1, 1));
+                }
+            }
+            w->m[i] = -INFINITY;
+            w->l[i] = 0.0f;
+        }
+    }
+    memset(w->acc, 0, sizeof(float) * (size_t)it->nrows * group * D);
+}
+
 /* Paired bf16 pages. Queries are the rotated bf16 values transformers would use (scores
  * are scaled after the products); probabilities are rounded to bf16 for the weighted
  * sum, as a bf16 matmul of them would be.
@@ -563,14 +603,14 @@ static inline __attribute__((always_inline)) void attend_rows(const Layer* L, co
     const int group = L->num_heads / L->num_kv_heads;
     const bf16* q16 = (const bf16*)w->k;
     bf16* p16 = (bf16*)w->v; /* [R, BS] */
-    int n[R], n_max = 0;
+    int n[MAX_PAIRED_VECTORS], n_max = 0;
     for (int t = 0; t < R; t++) {
         const int pos = it->first_pos + (i0 + t) / group;
         n[t] = pos + 1 - key0 < nk ? pos + 1 - key0 : nk; /* <= 0: the block is in this row's future */
         n_max = n[t] > n_max ? n[t] : n_max;
     }
     if (n_max <= 0) return;
-    __m512 s[R][2][BS / 16];
+    __m512 s[MAX_PAIRED_VECTORS][2][MAX_PAIRED_BLOCK / 16];
     for (int t = 0; t < R; t++)
         for (int c = 0; c < BS / 16; c++) s[t][0][c] = s[t][1][c] = _mm512_setzero_ps();
     /* A later block's pages load a slice per iteration, spread over the arithmetic,
@@ -591,11 +631,11 @@ static inline __attribute__((always_inline)) void attend_rows(const Layer* L, co
         }
     }
     /* The online softmax in registers (what softmax_update does, a block at a time). */
-    float correction[R];
+    float correction[MAX_PAIRED_VECTORS];
     for (int t = 0; t < R; t++) {
         correction[t] = 1.0f;
-        __m512 p[BS / 16];
-        __mmask16 valid[BS / 16];
+        __m512 p[MAX_PAIRED_BLOCK / 16];
+        __mmask16 valid[MAX_PAIRED_BLOCK / 16];
         float block_max = -INFINITY;
         for (int c = 0; c < BS / 16; c++) {
             const int left = n[t] - c * 16;
@@ -623,7 +663,7 @@ static inline __attribute__((always_inline)) void attend_rows(const Layer* L, co
                                 (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_mov_ps(valid[c], p[c])));
     }
     /* Keys n[t]..n_max-1 of a shorter row have probability 0 and are written memory. */
-    __m512 a[R][D / 16];
+    __m512 a[MAX_PAIRED_VECTORS][MAX_PAIRED_HEAD_DIM / 16];
     for (int t = 0; t < R; t++)
         for (int c = 0; c < D / 16; c++)
             a[t][c] = _mm512_mul_ps(_mm512_loadu_ps(w->acc + (int64_t)(i0 + t) * D + c * 16),
@@ -670,9 +710,7 @@ static inline __attribute__((always_inline)) void attend_paired_impl(const Layer
                                                                      const Scratch* w, const int D, const int BS) {
     const int group = L->num_heads / L->num_kv_heads, nq = it->nrows * group;
     const int last_pos = it->first_pos + it->nrows - 1;
-    bf16* q16 = (bf16*)w->k; /* [nq, D] */
-    load_queries(L, it, w, group, 1.0f);
-    for (int64_t x = 0; x < (int64_t)nq * D; x++) q16[x] = float_to_bf16(w->q[x]);
+    load_paired_queries(L, it, w, group);
     /* Four rows' accumulators fill half the 32 vector registers at D = 64; two at D = 128. */
     const int rows = D <= 64 ? 4 : 2;
     const int blocks = item_blocks(it, BS);
