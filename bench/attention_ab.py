@@ -6,6 +6,7 @@ For a kernel change too small to show through bench/ab_commits.py's whole worklo
 and the two run the same calls in turns, so that machine noise falls on both. Cases:
 - prefill: fresh prompts (nothing cached), rotary embedding on, as a prefill step runs;
 - decode: one new token per sequence over contexts of about `--context` tokens.
+In bf16 (the default) or, with --dtype float32, fp32, which takes the generic pages.
 It reports each build's median and best time per 30 layers, their ratios, and whether
 the two wrote the same outputs and KV caches bit for bit.
 
@@ -67,20 +68,20 @@ def kernels(lib: ctypes.CDLL):
         ops.load_library = saved
 
 
-def rotary(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary(positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     inv_freq = 1.0 / (100000 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM))
     angles = positions.float()[:, None] * inv_freq
     angles = torch.cat([angles, angles], dim=1)
-    return angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def make_case(kind: str, sequences: int, tokens: int, block_size: int, seed: int) -> dict:
+def make_case(kind: str, sequences: int, tokens: int, block_size: int, seed: int, dtype: torch.dtype) -> dict:
     """Random bf16 caches for every layer, block tables drawn at random from them (a
     cache's pages sit anywhere), and one step's q, k, v, cos and sin."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     shape = (NUM_BLOCKS, KV_HEADS, block_size, HEAD_DIM)
-    caches = [tuple((torch.randn(shape) * 0.5).to(torch.bfloat16) for _ in "kv") for _ in range(LAYERS)]
+    caches = [tuple((torch.randn(shape) * 0.5).to(dtype) for _ in "kv") for _ in range(LAYERS)]
     if kind == "prefill":
         context_lens = query_lens = [tokens] * sequences
         positions = torch.arange(tokens).repeat(sequences)
@@ -97,8 +98,8 @@ def make_case(kind: str, sequences: int, tokens: int, block_size: int, seed: int
         used += need
     meta = build_metadata(tables, context_lens, query_lens, block_size, torch.device("cpu"))
     rows = sum(query_lens)
-    q, k, v = (torch.randn(rows, h, HEAD_DIM).to(torch.bfloat16) for h in (HEADS, KV_HEADS, KV_HEADS))
-    cos, sin = rotary(positions)
+    q, k, v = (torch.randn(rows, h, HEAD_DIM).to(dtype) for h in (HEADS, KV_HEADS, KV_HEADS))
+    cos, sin = rotary(positions, dtype)
     flops = sum(
         2 * 2 * HEAD_DIM * HEADS * LAYERS * (2 * c - n + 1) * n / 2
         for c, n in zip(context_lens, query_lens, strict=True)
@@ -157,7 +158,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+        help="float32 runs the generic pages (bf16 runs the paired ones on AVX512-BF16 CPUs)",
+    )  # fmt: skip
     args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
     torch.set_num_threads(args.threads)
     head = subprocess.run(
         ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
@@ -172,10 +178,10 @@ def main() -> None:
         }
         cases = {
             f"prefill {args.prompts}x{args.prompt_len}": make_case(
-                "prefill", args.prompts, args.prompt_len, args.block_size, args.seed
+                "prefill", args.prompts, args.prompt_len, args.block_size, args.seed, dtype
             ),
             f"decode {args.sequences}x~{args.context}": make_case(
-                "decode", args.sequences, args.context, args.block_size, args.seed
+                "decode", args.sequences, args.context, args.block_size, args.seed, dtype
             ),
         }
         report = {name: compare(libs, case, args.rounds) for name, case in cases.items()}

@@ -370,8 +370,8 @@ typedef struct {
 
 /* Bounds of attend_rows' register arrays. Sized by these constants rather than by its
  * arguments: arrays sized by arguments are variable-length, which GCC keeps in memory, so
- * each multiply-add's accumulator went back to the stack on every iteration (7% of a
- * 64-sequence decode's attention, 4-8% of a prefill's). */
+ * each multiply-add's accumulator went back to the stack on every iteration (about 6% of
+ * a 64-sequence decode's attention, 3% of a prefill's). */
 #define MAX_PAIRED_VECTORS 4
 #define MAX_PAIRED_BLOCK 256
 #define MAX_PAIRED_HEAD_DIM 512
@@ -556,9 +556,9 @@ static inline void prefetch_pages(const Layer* L, const WorkItem* it, int first,
 #if defined(__AVX512BF16__)
 
 /* The item's queries as the bf16 rows attend_rows broadcasts, rotated and rounded as
- * load_rotated rounds them, written once. Widened to fp32 scratch rows, scaled by 1 and
- * converted back in two more passes, they cost a quarter of a prefill's attention, most
- * of it waiting on the loads of rows just stored. */
+ * load_rotated rounds them, in one pass. Widened to fp32 scratch rows first, scaled by 1
+ * and converted back, they were a quarter of a prefill's attention in `perf`; one pass
+ * took about 4% off that attention. */
 static inline void load_paired_queries(const Layer* L, const WorkItem* it, const Scratch* w, int group) {
     const int D = L->head_dim, half = D / 2;
     const bf16 *src = (const bf16*)L->q, *cos = (const bf16*)L->cos, *sin = (const bf16*)L->sin;
