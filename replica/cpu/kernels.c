@@ -359,7 +359,7 @@ typedef struct {
 } Layer;
 
 typedef struct {
-    float* q;   /* [MAX_ROWS * group, D], rotated */
+    float* q;   /* [MAX_ROWS * group, D], rotated (generic pages) */
     float* acc; /* [MAX_ROWS * group, D] */
     float* m;   /* running max per query vector */
     float* l;   /* running sum per query vector */
@@ -397,7 +397,8 @@ static inline int64_t v_offset(const Layer* L, int j, int d) {
     return paired_pages(L) ? ((int64_t)(j / 2) * D + d) * 2 + j % 2 : (int64_t)j * D + d;
 }
 
-static inline void load_queries(const Layer* L, const WorkItem* it, const Scratch* w, int group, float scale) {
+/* The generic paths' queries: rotated, widened to fp32 and scaled. */
+static inline void load_queries(const Layer* L, const WorkItem* it, const Scratch* w, int group) {
     const int D = L->head_dim;
     for (int r = 0; r < it->nrows; r++) {
         for (int g = 0; g < group; g++) {
@@ -406,7 +407,7 @@ static inline void load_queries(const Layer* L, const WorkItem* it, const Scratc
             const int64_t offset = (it->row0 + r) * L->q_stride_t + head * L->q_stride_h;
             if (L->cos != NULL) load_rotated(q, L->q, offset, L->cos, L->sin, it->row0 + r, D, L->is_bf16);
             else load_row(q, L->q, offset, D, L->is_bf16);
-            for (int d = 0; d < D; d++) q[d] *= scale;
+            for (int d = 0; d < D; d++) q[d] *= L->scale;
             w->m[i] = -INFINITY;
             w->l[i] = 0.0f;
         }
@@ -470,7 +471,7 @@ static inline __attribute__((always_inline)) void attend_impl(const Layer* L, co
     const int last_pos = it->first_pos + it->nrows - 1;
     const float* restrict k = w->k;
     const float* restrict v = w->v;
-    load_queries(L, it, w, group, L->scale);
+    load_queries(L, it, w, group);
     for (int b = 0; b <= last_pos / BS; b++) {
         const int64_t page = ((int64_t)it->block_table[b] * L->num_kv_heads + it->kv_head) * BS * D;
         const int key0 = b * BS;
@@ -505,7 +506,7 @@ static void attend_any(const Layer* L, const WorkItem* it, const Scratch* w) {
     const int group = L->num_heads / L->num_kv_heads, D = L->head_dim, BS = L->block_size;
     const int last_pos = it->first_pos + it->nrows - 1;
     float* scores = w->p + BS;
-    load_queries(L, it, w, group, L->scale);
+    load_queries(L, it, w, group);
     for (int b = 0; b <= last_pos / BS; b++) {
         const int64_t page = ((int64_t)it->block_table[b] * L->num_kv_heads + it->kv_head) * BS * D;
         const int key0 = b * BS;
