@@ -95,10 +95,11 @@ SEQS = [(5, 1), (40, 1), (1, 1), (0, 19), (23, 9), (0, 1), (64, 3)]
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("head_dim", "block_size"),
-    # (16, 4): generic pages; (64, 16), (128, 16) and (32, 32): in bf16 on AVX512-BF16
-    # CPUs, the paired pages (D % 32 == 0, BS % 16 == 0), including the specialised
-    # shapes and both query-row tile sizes (4 rows up to D = 64, 2 above).
-    [(16, 4), (64, 16), (128, 16), (32, 32)],
+    # (16, 4): generic pages; (64, 16), (128, 16), (32, 32) and (256, 64): in bf16 on
+    # AVX512-BF16 CPUs, the paired pages (D % 32 == 0, BS % 16 == 0), including the
+    # specialised shapes, both query-row tile sizes (4 rows up to D = 64, 2 above) and
+    # shapes past the specialisations, up to more of attend_rows' register bounds.
+    [(16, 4), (64, 16), (128, 16), (32, 32), (256, 64)],
 )
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (6, 2), (8, 1)])
 def test_paged_attention_matches_dense(dtype, head_dim, block_size, heads, kv_heads, fresh_prefills_by_sdpa):
