@@ -275,23 +275,28 @@ static inline float element(const void* src, int64_t i, int is_bf16) {
     return is_bf16 ? bf16_to_float(((const bf16*)src)[i]) : ((const float*)src)[i];
 }
 
+/* One pair of a rotate-half (GPT-NeoX) rotary embedding in bf16, as transformers'
+ * apply_rotary_pos_emb computes it: x * cos + rotate_half(x) * sin, each product rounded.
+ * (x0, x1) are elements i and i + D/2 of a row. */
+static inline void rotate_pair_bf16(float* y0, float* y1, float x0, float x1, float c0, float c1, float s0,
+                                    float s1) {
+    *y0 = round_to(round_to(x0 * c0, 1) - round_to(x1 * s0, 1), 1);
+    *y1 = round_to(round_to(x1 * c1, 1) + round_to(x0 * s1, 1), 1);
+}
+
 /* dst = row `offset` of src rotated by the rotary embedding (cos and sin: row `angle` of
- * [T, D] tables), rotate-half (GPT-NeoX) style, as transformers' apply_rotary_pos_emb:
- * x * cos + rotate_half(x) * sin, each product rounded. Read where they lie, not widened
- * into scratch rows first and read back from there (with store_outputs' one pass, 16-25%
- * off the attention of sixteen 128-token prompts). */
+ * [T, D] tables), as rotate_pair_bf16 (and in fp32 without rounding). Read where they
+ * lie, not widened into scratch rows first and read back from there (with store_outputs'
+ * one pass, 16-25% off the attention of sixteen 128-token prompts). */
 static inline void load_rotated(float* restrict dst, const void* src, int64_t offset, const void* cos,
                                 const void* sin, int64_t angle, int D, int is_bf16) {
     const int half = D / 2;
     const int64_t a = angle * D;
     if (is_bf16) {
-        for (int i = 0; i < half; i++) {
-            const float x0 = element(src, offset + i, 1), x1 = element(src, offset + i + half, 1);
-            const float c0 = element(cos, a + i, 1), c1 = element(cos, a + i + half, 1);
-            const float s0 = element(sin, a + i, 1), s1 = element(sin, a + i + half, 1);
-            dst[i] = round_to(round_to(x0 * c0, 1) - round_to(x1 * s0, 1), 1);
-            dst[i + half] = round_to(round_to(x1 * c1, 1) + round_to(x0 * s1, 1), 1);
-        }
+        for (int i = 0; i < half; i++)
+            rotate_pair_bf16(dst + i, dst + i + half, element(src, offset + i, 1), element(src, offset + i + half, 1),
+                             element(cos, a + i, 1), element(cos, a + i + half, 1), element(sin, a + i, 1),
+                             element(sin, a + i + half, 1));
     } else {
         for (int i = 0; i < half; i++) {
             const float x0 = element(src, offset + i, 0), x1 = element(src, offset + i + half, 0);
@@ -397,6 +402,15 @@ static inline int64_t v_offset(const Layer* L, int j, int d) {
     return paired_pages(L) ? ((int64_t)(j / 2) * D + d) * 2 + j % 2 : (int64_t)j * D + d;
 }
 
+/* An item's online softmax starts empty: no maximum, no sum, zero accumulators. */
+static inline void start_item(const Scratch* w, int num_vectors, int D) {
+    for (int i = 0; i < num_vectors; i++) {
+        w->m[i] = -INFINITY;
+        w->l[i] = 0.0f;
+    }
+    memset(w->acc, 0, sizeof(float) * (size_t)num_vectors * D);
+}
+
 /* The generic paths' queries: rotated, widened to fp32 and scaled. */
 static inline void load_queries(const Layer* L, const WorkItem* it, const Scratch* w, int group) {
     const int D = L->head_dim;
@@ -408,11 +422,9 @@ static inline void load_queries(const Layer* L, const WorkItem* it, const Scratc
             if (L->cos != NULL) load_rotated(q, L->q, offset, L->cos, L->sin, it->row0 + r, D, L->is_bf16);
             else load_row(q, L->q, offset, D, L->is_bf16);
             for (int d = 0; d < D; d++) q[d] *= L->scale;
-            w->m[i] = -INFINITY;
-            w->l[i] = 0.0f;
         }
     }
-    memset(w->acc, 0, sizeof(float) * (size_t)it->nrows * group * D);
+    start_item(w, it->nrows * group, D);
 }
 
 /* Online softmax for query vector i after a block's first n scores: fills p with
@@ -573,18 +585,17 @@ static inline void load_paired_queries(const Layer* L, const WorkItem* it, const
                 memcpy(q16, x, sizeof(bf16) * (size_t)D);
             } else {
                 for (int d = 0; d < half; d++) {
-                    const float x0 = bf16_to_float(x[d]), x1 = bf16_to_float(x[d + half]);
-                    const float c0 = bf16_to_float(cos[a + d]), c1 = bf16_to_float(cos[a + d + half]);
-                    const float s0 = bf16_to_float(sin[a + d]), s1 = bf16_to_float(sin[a + d + half]);
-                    q16[d] = float_to_bf16(round_to(x0 * c0, 1) - round_to(x1 * s0, 1));
-                    q16[d + half] = float_to_bf16(round_to(x1 * c1, 1) + round_to(x0 * s1, 1));
+                    float y0, y1; /* already bf16 values: the conversion is exact */
+                    rotate_pair_bf16(&y0, &y1, bf16_to_float(x[d]), bf16_to_float(x[d + half]),
+                                     bf16_to_float(cos[a + d]), bf16_to_float(cos[a + d + half]),
+                                     bf16_to_float(sin[a + d]), bf16_to_float(sin[a + d + half]));
+                    q16[d] = float_to_bf16(y0);
+                    q16[d + half] = float_to_bf16(y1);
                 }
             }
-            w->m[i] = -INFINITY;
-            w->l[i] = 0.0f;
         }
     }
-    memset(w->acc, 0, sizeof(float) * (size_t)it->nrows * group * D);
+    start_item(w, it->nrows * group, D);
 }
 
 /* Paired bf16 pages. Queries are the rotated bf16 values transformers would use (scores
