@@ -50,8 +50,9 @@ def build_at(commit: str, where: Path) -> ctypes.CDLL:
         ).stdout
         (where / source.name).write_text(text)
     target = where / "kernels.so"
-    sources = [str(where / s.name) for s in build.SOURCES]
-    subprocess.run([build.compiler(), *build.FLAGS, "-o", str(target), *sources, "-lm"], check=True)
+    result = build.compile_kernels(build.compiler(), [where / s.name for s in build.SOURCES], target)
+    if result.returncode != 0:
+        raise RuntimeError(f"building {commit}'s kernels failed:\n{result.stderr[-2000:]}")
     lib = ctypes.CDLL(str(target))
     build._declare(lib)
     return lib

@@ -56,6 +56,14 @@ def _cpu_signature() -> str:
     return "\n".join(sorted(set(keep)))
 
 
+def compile_kernels(cc: str, sources: list[Path], target: str | Path) -> subprocess.CompletedProcess:
+    """Compile `sources` into the shared library `target` with FLAGS; the compiler's
+    output is in the result."""
+    return subprocess.run(
+        [cc, *FLAGS, "-o", str(target), *map(str, sources), "-lm"], capture_output=True, text=True
+    )
+
+
 @functools.cache
 def load_library() -> ctypes.CDLL:
     """The compiled kernels, building them first if this machine has no copy yet.
@@ -75,9 +83,7 @@ def load_library() -> ctypes.CDLL:
         fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
         os.close(fd)
         try:
-            result = subprocess.run(
-                [cc, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True, text=True
-            )
+            result = compile_kernels(cc, SOURCES, tmp)
             if result.returncode != 0:
                 names = ", ".join(s.name for s in SOURCES)
                 raise CpuKernelsUnavailable(f"{cc} failed to build {names}:\n{result.stderr[-2000:]}")
