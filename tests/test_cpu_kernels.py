@@ -89,7 +89,9 @@ def run_attention(seqs, heads, kv_heads, head_dim, block_size, dtype, rotary, se
     step(order, [seqs[i][0] for i in order], [sum(seqs[i]) for i in order])
 
 
-SEQS = [(5, 1), (40, 1), (1, 1), (0, 19), (23, 9), (0, 1), (64, 3)]
+# (250, 12) and (290, 13): chunks past the paired prefill kernel's first 256 keys, one
+# with rows on both sides of that boundary.
+SEQS = [(5, 1), (40, 1), (1, 1), (0, 19), (23, 9), (0, 1), (64, 3), (250, 12), (290, 13)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
