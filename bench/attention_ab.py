@@ -1,4 +1,4 @@
-"""kvserve's CPU paged attention (replica/cpu/kernels.c) at two commits, in turns in one
+"""kvserve's CPU paged attention (replica/cpu/attention*.c) at two commits, in turns in one
 process, on the bundled model's attention shapes over 30 layers' caches.
 
 For a kernel change too small to show through bench/ab_commits.py's whole workloads
@@ -39,18 +39,22 @@ LAYERS, NUM_BLOCKS, KV_HEADS, HEADS, HEAD_DIM = 30, 1400, 3, 9, 64  # SmolLM2-13
 
 
 def build_at(commit: str, where: Path) -> ctypes.CDLL:
-    """The kernels as they were at `commit`, compiled with this checkout's flags."""
-    for source in build.SOURCES + build.HEADERS:
-        relative = source.relative_to(ROOT)
-        text = subprocess.run(
-            ["git", "-C", str(ROOT), "show", f"{commit}:{relative}"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-        (where / source.name).write_text(text)
+    """The kernels as they were at `commit` (its own set of C files), compiled with this
+    checkout's flags."""
+    folder = build.SOURCES[0].parent.relative_to(ROOT)
+    git = ["git", "-C", str(ROOT)]
+    listing = subprocess.run(
+        [*git, "ls-tree", "--name-only", commit, f"{folder}/"], capture_output=True, text=True, check=True
+    )
+    names = [Path(line).name for line in listing.stdout.split() if line.endswith((".c", ".h"))]
+    for name in names:
+        shown = subprocess.run(
+            [*git, "show", f"{commit}:{folder}/{name}"], capture_output=True, text=True, check=True
+        )
+        (where / name).write_text(shown.stdout)
     target = where / "kernels.so"
-    result = build.compile_kernels(build.compiler(), [where / s.name for s in build.SOURCES], target)
+    sources = [where / name for name in names if name.endswith(".c")]
+    result = build.compile_kernels(build.compiler(), sources, target)
     if result.returncode != 0:
         raise RuntimeError(f"building {commit}'s kernels failed:\n{result.stderr[-2000:]}")
     lib = ctypes.CDLL(str(target))
@@ -149,7 +153,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--base", required=True, help="commit whose kernels.c is the baseline")
+    parser.add_argument("--base", required=True, help="commit whose C kernels are the baseline")
     parser.add_argument("--name", required=True, help="names the result file")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=128)
@@ -189,7 +193,7 @@ def main() -> None:
     for name, row in report.items():
         print(f"{name}: {row}")
     out = {
-        "what": "CPU paged attention, two commits' kernels.c in turns in one process, 30 layers per timing",
+        "what": "CPU paged attention, two commits' C kernels in turns in one process, 30 layers per timing",
         "commits": list(libs),
         "machine": {"cpu": cpu_name(), "threads": args.threads},
         "args": vars(args),

@@ -1,4 +1,4 @@
-"""Paged attention through kvserve's compiled CPU kernel (replica/cpu/kernels.c): the
+"""Paged attention through kvserve's compiled CPU kernel (replica/cpu/attention.c): the
 KV write and attention for decode rows and prefill chunks in one call per layer, over
 the torch backend's [num_blocks, Hkv, block_size, D] cache layout.
 

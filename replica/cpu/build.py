@@ -1,4 +1,5 @@
-"""Build the C kernels (kernels.c, gemm.c, decoder.c) once per machine and load them with ctypes.
+"""Build the C kernels (kernels.c, attention.c, attention_paired.c, gemm.c, decoder.c)
+once per machine and load them with ctypes.
 
 The library is compiled for the CPU it runs on (-march=native), so it is built where it
 is used, not shipped: the first engine on a machine compiles it (a few seconds) into
@@ -19,8 +20,11 @@ from pathlib import Path
 
 from replica.model_loader import cache_root
 
-SOURCES = [Path(__file__).with_name(name) for name in ("kernels.c", "gemm.c", "decoder.c")]
-HEADERS = [Path(__file__).with_name("avx512_bf16.h")]
+SOURCES = [
+    Path(__file__).with_name(name)
+    for name in ("kernels.c", "attention.c", "attention_paired.c", "gemm.c", "decoder.c")
+]
+HEADERS = [Path(__file__).with_name(name) for name in ("avx512_bf16.h", "scalar.h", "attention.h")]
 FLAGS = [
     "-O3",
     "-march=native",

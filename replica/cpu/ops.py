@@ -1,4 +1,4 @@
-"""Tensor-level wrappers around the compiled CPU kernels (kernels.c, gemm.c).
+"""Tensor-level wrappers around the compiled CPU kernels (kernels.c, attention.c, gemm.c).
 
 Each wrapper checks what the C code assumes (CPU, fp32 or bf16, unit stride in the last
 dimension) and passes raw pointers. ctypes releases the GIL for the call.

@@ -1,0 +1,254 @@
+/* Paged attention of one layer over a packed step (paged_attention, called by decoder.c
+ * and through ctypes): the KV write, then the step's attention split into work items that
+ * the threads claim. Pages are laid out for the kernel that reads them:
+ * - generic (fp32, or CPUs without AVX512-BF16), here: a K page is [D, BS] (keys
+ *   transposed), so a block's scores are broadcast-multiply-adds over its keys; a V page
+ *   is [BS, D]. Pages are widened to fp32 once per block.
+ * - paired (bf16 on AVX512-BF16 CPUs, D % 32 == 0, BS % 16 == 0): attention_paired.c. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "attention.h"
+
+/* The generic paths' queries: rotated, widened to fp32 and scaled. */
+static inline void load_queries(const Layer* L, const WorkItem* it, const Scratch* w, int group) {
+    const int D = L->head_dim;
+    for (int r = 0; r < it->nrows; r++) {
+        for (int g = 0; g < group; g++) {
+            const int i = r * group + g, head = it->kv_head * group + g;
+            float* q = w->q + (int64_t)i * D;
+            const int64_t offset = (it->row0 + r) * L->q_stride_t + head * L->q_stride_h;
+            if (L->cos != NULL) load_rotated(q, L->q, offset, L->cos, L->sin, it->row0 + r, D, L->is_bf16);
+            else load_row(q, L->q, offset, D, L->is_bf16);
+            for (int d = 0; d < D; d++) q[d] *= L->scale;
+        }
+    }
+    start_item(w, it->nrows * group, D);
+}
+
+/* Online softmax for query vector i after a block's first n scores: fills p with
+ * exp(score - new max) (0 past n) and returns the factor its accumulator must shrink by
+ * (0 on its first block). */
+static inline float softmax_update(const Scratch* w, int i, const float* scores, int n, int BS) {
+    float block_max = -INFINITY;
+    for (int j = 0; j < n; j++) block_max = scores[j] > block_max ? scores[j] : block_max;
+    const float m_new = block_max > w->m[i] ? block_max : w->m[i];
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int j = 0; j < BS; j++) {
+        w->p[j] = j < n ? exp_clamped(scores[j] - m_new) : 0.0f;
+        sum += w->p[j];
+    }
+    const float correction = w->m[i] == m_new ? 1.0f : exp_clamped(w->m[i] - m_new);
+    w->l[i] = w->l[i] * correction + sum;
+    w->m[i] = m_new;
+    return correction;
+}
+
+/* 16 floats: GCC lowers these to whatever the CPU has (one AVX-512 register, two AVX2
+ * registers, four NEON registers), and keeps arrays of them in registers when their
+ * length is a compile-time constant. */
+typedef float vec16 __attribute__((vector_size(64), aligned(4)));
+#define VEC 16
+
+static inline vec16 vload(const float* p) { return *(const vec16*)p; }
+static inline void vstore(float* p, vec16 x) { *(vec16*)p = x; }
+
+/* Generic pages. D and BS are compile-time constants in the specialisations below
+ * (multiples of 16), so a block's scores and a query's accumulator stay in registers. */
+static inline __attribute__((always_inline)) void attend_impl(const Layer* L, const WorkItem* it,
+                                                              const Scratch* w, const int D, const int BS) {
+    const int group = L->num_heads / L->num_kv_heads;
+    const int last_pos = it->first_pos + it->nrows - 1;
+    const float* restrict k = w->k;
+    const float* restrict v = w->v;
+    load_queries(L, it, w, group);
+    for (int b = 0; b <= last_pos / BS; b++) {
+        const int64_t page = ((int64_t)it->block_table[b] * L->num_kv_heads + it->kv_head) * BS * D;
+        const int key0 = b * BS;
+        const int nk = last_pos + 1 - key0 < BS ? last_pos + 1 - key0 : BS;
+        load_row(w->k, L->k_cache, page, D * BS, L->is_bf16);
+        load_row(w->v, L->v_cache, page, nk * D, L->is_bf16);
+        for (int i = 0; i < it->nrows * group; i++) {
+            const int pos = it->first_pos + i / group;
+            if (key0 > pos) continue; /* the whole block lies in this row's future */
+            const int n = pos + 1 - key0 < nk ? pos + 1 - key0 : nk;
+            const float* restrict q = w->q + (int64_t)i * D;
+            vec16 s[BS / VEC];
+            for (int c = 0; c < BS / VEC; c++) s[c] = (vec16){0};
+            for (int d = 0; d < D; d++)
+                for (int c = 0; c < BS / VEC; c++) s[c] += q[d] * vload(k + d * BS + c * VEC);
+            float scores[BS];
+            for (int c = 0; c < BS / VEC; c++) vstore(scores + c * VEC, s[c]);
+            const float correction = softmax_update(w, i, scores, n, BS);
+            float* restrict acc = w->acc + (int64_t)i * D;
+            vec16 a[D / VEC];
+            for (int c = 0; c < D / VEC; c++) a[c] = vload(acc + c * VEC) * correction;
+            for (int j = 0; j < n; j++)
+                for (int c = 0; c < D / VEC; c++) a[c] += w->p[j] * vload(v + j * D + c * VEC);
+            for (int c = 0; c < D / VEC; c++) vstore(acc + c * VEC, a[c]);
+        }
+    }
+    store_outputs(L, it, w, group);
+}
+
+/* Generic pages, any D or block size: the same algorithm with plain loops. */
+static void attend_any(const Layer* L, const WorkItem* it, const Scratch* w) {
+    const int group = L->num_heads / L->num_kv_heads, D = L->head_dim, BS = L->block_size;
+    const int last_pos = it->first_pos + it->nrows - 1;
+    float* scores = w->p + BS;
+    load_queries(L, it, w, group);
+    for (int b = 0; b <= last_pos / BS; b++) {
+        const int64_t page = ((int64_t)it->block_table[b] * L->num_kv_heads + it->kv_head) * BS * D;
+        const int key0 = b * BS;
+        const int nk = last_pos + 1 - key0 < BS ? last_pos + 1 - key0 : BS;
+        load_row(w->k, L->k_cache, page, D * BS, L->is_bf16);
+        load_row(w->v, L->v_cache, page, nk * D, L->is_bf16);
+        for (int i = 0; i < it->nrows * group; i++) {
+            const int pos = it->first_pos + i / group;
+            if (key0 > pos) continue;
+            const int n = pos + 1 - key0 < nk ? pos + 1 - key0 : nk;
+            for (int j = 0; j < n; j++) {
+                scores[j] = 0.0f;
+                for (int d = 0; d < D; d++) scores[j] += w->q[(int64_t)i * D + d] * w->k[d * BS + j];
+            }
+            const float correction = softmax_update(w, i, scores, n, BS);
+            float* acc = w->acc + (int64_t)i * D;
+            for (int d = 0; d < D; d++) acc[d] *= correction;
+            for (int j = 0; j < n; j++)
+                for (int d = 0; d < D; d++) acc[d] += w->p[j] * w->v[j * D + d];
+        }
+    }
+    store_outputs(L, it, w, group);
+}
+
+static void attend(const Layer* L, const WorkItem* it, const WorkItem* next, int warm, const Scratch* w) {
+    const int D = L->head_dim, BS = L->block_size;
+#if defined(__AVX512BF16__)
+    if (paired_pages(L)) {
+        attend_paired(L, it, next, warm, w);
+        return;
+    }
+#else
+    (void)next, (void)warm;
+#endif
+    if (D == 64 && BS == 16) attend_impl(L, it, w, 64, 16);
+    else if (D == 64 && BS == 32) attend_impl(L, it, w, 64, 32);
+    else if (D == 128 && BS == 16) attend_impl(L, it, w, 128, 16);
+    else if (D == 128 && BS == 32) attend_impl(L, it, w, 128, 32);
+    else attend_any(L, it, w);
+}
+
+/* Copy this step's K/V rows into their pages, rotating K first when cos/sin are given.
+ * A negative slot means "skip" (padded rows). */
+static void write_kv(const Layer* L, const void* k, int64_t k_stride_t, int64_t k_stride_h, const void* v,
+                     int64_t v_stride_t, int64_t v_stride_h, const int64_t* slots, int64_t num_tokens,
+                     int num_threads) {
+    const int D = L->head_dim, BS = L->block_size, Hkv = L->num_kv_heads;
+#pragma omp parallel num_threads(num_threads) if (num_tokens >= 16)
+    {
+        float* buf = (float*)malloc(sizeof(float) * (size_t)D);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < num_tokens; t++) {
+            const int64_t slot = slots[t];
+            if (slot < 0) continue;
+            const int64_t block = slot / BS;
+            const int j = (int)(slot % BS);
+#if defined(__AVX512BF16__)
+            if (paired_pages(L)) {
+                write_paired_kv(L, (const bf16*)k + t * k_stride_t, k_stride_h, (const bf16*)v + t * v_stride_t,
+                                v_stride_h, t, block, j);
+                continue;
+            }
+#endif
+            for (int h = 0; h < Hkv; h++) {
+                const int64_t page = (block * Hkv + h) * BS * D;
+                if (L->cos != NULL) load_rotated(buf, k, t * k_stride_t + h * k_stride_h, L->cos, L->sin, t, D, L->is_bf16);
+                else load_row(buf, k, t * k_stride_t + h * k_stride_h, D, L->is_bf16);
+                for (int d = 0; d < D; d++) {
+                    if (L->is_bf16) ((bf16*)L->k_cache)[page + k_offset(L, j, d)] = float_to_bf16(buf[d]);
+                    else ((float*)L->k_cache)[page + k_offset(L, j, d)] = buf[d];
+                }
+                load_row(buf, v, t * v_stride_t + h * v_stride_h, D, L->is_bf16);
+                store_row(L->v_cache, page + (int64_t)j * D, buf, D, L->is_bf16);
+            }
+        }
+        free(buf);
+    }
+}
+
+/* One attention layer over a packed step: (rotary), KV write, then causal attention of
+ * every query row over its sequence's paged KV.
+ *   q: [T, H, D], k/v: [T, Hkv, D], each with the given strides (last dim contiguous)
+ *   cos/sin: [T, D] or NULL; out: contiguous [T, H, D]
+ *   decode rows 0..num_decodes-1: one query token each, at the end of a context of
+ *     decode_lens[i] tokens, block table row i of decode_tables [num_decodes, decode_width]
+ *   prefill chunk p: rows prefill_starts[p]..prefill_ends[p]-1, the last rows of a
+ *     context of prefill_lens[p] tokens, block table row p of prefill_tables
+ * Rows of no decode and no chunk get their KV written but are not attended (ops.py
+ * attends fresh prefills, which need no cache, with torch's SDPA). */
+void paged_attention(void* out, const void* q, int64_t q_stride_t, int64_t q_stride_h, const void* k,
+                     int64_t k_stride_t, int64_t k_stride_h, const void* v, int64_t v_stride_t, int64_t v_stride_h,
+                     const void* cos, const void* sin, void* k_cache, void* v_cache, const int64_t* slots,
+                     int64_t num_tokens, int num_decodes, const int32_t* decode_tables, int decode_width,
+                     const int32_t* decode_lens, int num_prefills, const int32_t* prefill_starts,
+                     const int32_t* prefill_ends, const int32_t* prefill_lens, const int32_t* prefill_tables, int prefill_width, int num_heads,
+                     int num_kv_heads, int head_dim, int block_size, float scale, int is_bf16, int num_threads) {
+    const Layer L = {out,     q,       q_stride_t, q_stride_h, cos,       sin,        k_cache, v_cache,
+                     num_heads, num_kv_heads, head_dim, block_size, scale, is_bf16};
+    write_kv(&L, k, k_stride_t, k_stride_h, v, v_stride_t, v_stride_h, slots, num_tokens, num_threads);
+
+    int64_t num_items = (int64_t)num_decodes * num_kv_heads;
+    for (int p = 0; p < num_prefills; p++)
+        num_items += (int64_t)((prefill_ends[p] - prefill_starts[p] + MAX_ROWS - 1) / MAX_ROWS) * num_kv_heads;
+    WorkItem* items = (WorkItem*)malloc(sizeof(WorkItem) * (size_t)(num_items > 0 ? num_items : 1));
+    int64_t n = 0;
+    /* Prefill tiles first, latest (most keys) first: dynamic scheduling then evens out. */
+    for (int p = 0; p < num_prefills; p++) {
+        const int start = prefill_starts[p], len = prefill_ends[p] - start;
+        for (int r = (len - 1) / MAX_ROWS * MAX_ROWS; r >= 0; r -= MAX_ROWS)
+            for (int h = 0; h < num_kv_heads; h++)
+                items[n++] = (WorkItem){start + r, len - r < MAX_ROWS ? len - r : MAX_ROWS,
+                                        prefill_lens[p] - len + r, h, prefill_tables + (int64_t)p * prefill_width};
+    }
+    for (int i = 0; i < num_decodes; i++)
+        for (int h = 0; h < num_kv_heads; h++)
+            items[n++] = (WorkItem){i, 1, decode_lens[i] - 1, h, decode_tables + (int64_t)i * decode_width};
+
+    const int nq = MAX_ROWS * (num_heads / num_kv_heads), D = head_dim;
+    int64_t claimed = 0;
+#pragma omp parallel num_threads(num_threads) if (n > 1)
+    {
+        const size_t k_size = (size_t)D * (block_size > nq ? block_size : nq); /* a page, or bf16 queries */
+        const size_t chunk_keys = block_size > PREFILL_KEYS ? block_size : PREFILL_KEYS; /* attend_prefill_paired's */
+        const size_t p_size = 2 * (size_t)(block_size > nq ? block_size : nq);
+        float* buf = (float*)malloc(sizeof(float) * ((size_t)2 * nq * D + 2 * nq + k_size + (size_t)block_size * D +
+                                                     p_size + 2 * (size_t)nq * chunk_keys));
+        Scratch w;
+        w.q = buf;
+        w.acc = w.q + (size_t)nq * D;
+        w.m = w.acc + (size_t)nq * D;
+        w.l = w.m + nq;
+        w.k = w.l + nq;
+        w.v = w.k + k_size;
+        w.p = w.v + (size_t)block_size * D;
+        w.scores = w.p + p_size;
+        w.probs = (bf16*)(w.scores + (size_t)nq * chunk_keys);
+        /* Dynamic scheduling, each item claimed one item ahead, so that its first pages
+         * can load while this thread attends the one before it. */
+        int64_t next = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
+        int warm = 0;
+        while (next < n) {
+            const int64_t i = next;
+            next = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
+            attend(&L, &items[i], next < n ? &items[next] : NULL, warm, &w);
+            /* a decode item loads the next item's first pages while it attends its last blocks */
+            const int loads_ahead = items[i].nrows == 1 && item_blocks(&items[i], block_size) > PAGES_AHEAD;
+            warm = next < n && loads_ahead ? PAGES_AHEAD + 1 : 0;
+        }
+        free(buf);
+    }
+    free(items);
+}
