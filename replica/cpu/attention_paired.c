@@ -35,26 +35,25 @@ static inline void prefetch_pages(const Layer* L, const WorkItem* it, int first,
  * the other core, and its outputs are lines no core holds. */
 static inline void prefetch_item_rows(const Layer* L, const WorkItem* it, int group) {
     if (it == NULL) return;
-    const int D = L->head_dim, elem = L->is_bf16 ? 2 : 4;
+    const int D = L->head_dim, row_bytes = D * (int)sizeof(bf16);
     for (int r = 0; r < it->nrows; r++) {
         const int64_t row = it->row0 + r;
         for (int g = 0; g < group; g++) {
             const int head = it->kv_head * group + g;
-            const char* q = (const char*)L->q + (row * L->q_stride_t + head * L->q_stride_h) * elem;
-            const char* o = (const char*)L->out + (row * L->num_heads + head) * (int64_t)D * elem;
-            for (int x = 0; x < D * elem; x += 64) {
+            const char* q = (const char*)((const bf16*)L->q + row * L->q_stride_t + head * L->q_stride_h);
+            const char* o = (const char*)((const bf16*)L->out + (row * L->num_heads + head) * (int64_t)D);
+            for (int x = 0; x < row_bytes; x += 64) {
                 __builtin_prefetch(q + x, 0, 3);
                 __builtin_prefetch(o + x, 1, 3);
             }
         }
         if (L->cos != NULL)
-            for (int x = 0; x < D * elem; x += 64) {
-                __builtin_prefetch((const char*)L->cos + row * D * elem + x, 0, 3);
-                __builtin_prefetch((const char*)L->sin + row * D * elem + x, 0, 3);
+            for (int x = 0; x < row_bytes; x += 64) {
+                __builtin_prefetch((const char*)((const bf16*)L->cos + row * D) + x, 0, 3);
+                __builtin_prefetch((const char*)((const bf16*)L->sin + row * D) + x, 0, 3);
             }
     }
 }
-
 
 /* dst = the bf16 row x (D % 32 == 0) rotated as rotate_pair_bf16 rotates it, 16 pairs at
  * a time (cos and sin: the row's angles), or copied when cos is NULL. Scalar, it was the
@@ -352,6 +351,13 @@ static inline float softmax_chunk(const Scratch* w, int i, const float* scores, 
     return correction;
 }
 
+/* How many of a superchunk's nkeys keys, from key0, query vector i of a prefill item
+ * sees (<= 0: all in its future). Vectors go in row order, so this never decreases in i. */
+static inline int keys_seen(const WorkItem* it, int group, int i, int key0, int nkeys) {
+    const int pos = it->first_pos + i / group;
+    return pos + 1 - key0 < nkeys ? pos + 1 - key0 : nkeys;
+}
+
 static inline __attribute__((always_inline)) void attend_prefill_paired(const Layer* L, const WorkItem* it,
                                                                       const WorkItem* next, const Scratch* w,
                                                                       const int D, const int BS) {
@@ -377,19 +383,12 @@ static inline __attribute__((always_inline)) void attend_prefill_paired(const La
                             scores + b * BS + within - key0, chunk_keys);
         }
         for (int i = 0; i < nq; i++) {
-            const int pos = it->first_pos + i / group;
-            const int n = pos + 1 - key0 < nkeys ? pos + 1 - key0 : nkeys;
             const int64_t row = (int64_t)i * chunk_keys;
-            correction[i] = softmax_chunk(w, i, scores + row, n, nkeys, probs + row);
+            correction[i] = softmax_chunk(w, i, scores + row, keys_seen(it, group, i, key0, nkeys), nkeys, probs + row);
         }
         for (int i0 = 0; i0 < nq; i0 += vectors_per_tile) {
             const int T = nq - i0 < vectors_per_tile ? nq - i0 : vectors_per_tile;
-            int n = 0; /* the most keys of this tile's vectors */
-            for (int t = 0; t < T; t++) {
-                const int pos = it->first_pos + (i0 + t) / group;
-                const int nt = pos + 1 - key0 < nkeys ? pos + 1 - key0 : nkeys;
-                n = nt > n ? nt : n;
-            }
+            const int n = keys_seen(it, group, i0 + T - 1, key0, nkeys); /* the most of the tile's vectors */
             if (n <= 0) continue;
             switch (T) {
                 case 1: value_tile(L, it, w, D, BS, 1, i0, probs, chunk_keys, correction, key0, n); break;
