@@ -81,7 +81,7 @@ def rotary(positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, t
 
 
 def make_case(kind: str, sequences: int, tokens: int, block_size: int, seed: int, dtype: torch.dtype) -> dict:
-    """Random bf16 caches for every layer, block tables drawn at random from them (a
+    """Random caches in `dtype` for every layer, block tables drawn at random from them (a
     cache's pages sit anywhere), and one step's q, k, v, cos and sin."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
