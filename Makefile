@@ -2,7 +2,7 @@
 VENV ?= .venv
 PROMPT ?= Write a haiku about paged memory.
 
-.PHONY: setup run generate test lint bench bench-serving bench-serving-peers bench-soak protos
+.PHONY: setup run generate test lint bench bench-serving bench-serving-peers bench-soak protos device-wheels device-rehearsal
 
 setup:
 	./scripts/setup.sh
@@ -32,6 +32,15 @@ bench-serving-peers: setup
 
 bench-soak: setup
 	HF_HUB_OFFLINE=1 $(VENV)/bin/python bench/soak.py
+
+# The GPU kit (README "Running on a GPU"): .whl/ and .device/ for the GPU machine, then
+# the GPU run rehearsed on this CPU in a venv of the GPU image's versions (about 6 minutes
+# the first time, 3 after).
+device-wheels: setup
+	bash scripts/device_wheels.sh
+
+device-rehearsal: device-wheels
+	bash scripts/device_check.sh --rehearse
 
 # Regenerate the gRPC modules from router/protos/kvserve.proto (tests fail when they are stale).
 protos: setup

@@ -1,4 +1,4 @@
-"""GPU benchmark (H100/H200): the numbers the GPU path is held to, in one run.
+"""GPU benchmark (H100/H200): the numbers the GPU path is held to, in one short run.
 
 Model: random weights (seeded) with Llama-3.2-1B's shape in bf16, saved to a temp dir with
 the bundled tokenizer. Its vocab is smaller than the model's, so prompts are token ids and
@@ -17,16 +17,30 @@ b. Batch-1 decode step (engine step, and the runner's forward + lm_head alone) a
 c. The Triton decode kernel at batch 64 x 4096 context: K/V bytes read / time, as a
    fraction of the copy bandwidth.
 
+A lent GPU gives 10 minutes a command, and scripts/device_check.sh runs the GPU tests in
+the same one. So by default:
+- each system gets --limit-s per cap; a system cut there reports what it finished and says
+  how it was cut;
+- HF static runs only its first --hf-static-batches batches, and its throughput is counted
+  as everyone's is: the tokens those requests asked for over the time they took;
+- once --budget-s is spent, no new part starts;
+- the JSON is written again after every part, so a run killed from outside still leaves
+  what it measured.
+Every section of the JSON says what happened to it: "status" is "ran" (with "subset" where
+it ran part of the workload by design), "partial" (and "cut"), "skipped" (and "reason") or
+"failed" (and "error"). `--full` runs every system to the end on every request, for a
+machine with time.
+
     python bench/gpu.py                                   # -> bench/results/gpu_<device>.json
-    python bench/gpu.py --smoke                           # tiny CPU run of every path -> /tmp
+    python bench/gpu.py --full                            # no limits: tens of minutes
+    python bench/gpu.py --smoke                           # tiny CPU run of every path, < 1 min
 """
 
 import argparse
-import gc
-import json
+import math
 import os
+import platform
 import re
-import statistics
 import sys
 import tempfile
 import time
@@ -37,11 +51,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig  # noqa: E402
 
-from bench.offline import generate_all, make_workload, run_kvserve, warm_up_workload  # noqa: E402
-from replica import LLM, SamplingParams  # noqa: E402
-from replica.model_loader import resolve_model  # noqa: E402
+from bench.gpu_report import Budget, Report, budget_spent, failed, say, skipped  # noqa: E402
+from bench.gpu_runs import (  # noqa: E402
+    batch1_step,
+    copy_bandwidth,
+    decode_kernel_bandwidth,
+    free_memory,
+    generate_batch_manager,
+    run_hf_generate_batch,
+    run_hf_static,
+    run_kvserve,
+)
+from bench.offline import make_workload, warm_up_workload  # noqa: E402
+from replica import LLM  # noqa: E402
+from replica.model_loader import bundled_tokenizer_path  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 TARGETS = {
@@ -74,6 +99,7 @@ TINY = dict(
     tie_word_embeddings=True,
     max_position_embeddings=1024,
 )
+SYSTEMS = ("kvserve", "hf_static", "hf_generate_batch")
 
 
 def build_model(path: Path, shape: dict, device: str) -> None:
@@ -83,133 +109,14 @@ def build_model(path: Path, shape: dict, device: str) -> None:
     with torch.device(device):  # initialising 1.2B weights is much faster on the GPU
         model = AutoModelForCausalLM.from_config(LlamaConfig(**shape), dtype=torch.bfloat16)
     model.save_pretrained(path)
-    AutoTokenizer.from_pretrained(resolve_model(None)).save_pretrained(path)
+    AutoTokenizer.from_pretrained(bundled_tokenizer_path()).save_pretrained(path)
     del model
 
 
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def free_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def copy_bandwidth(device: str, nbytes: int) -> float:
-    """Device memory bandwidth (bytes/s) from a large copy: read + write bytes / time."""
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    sync(device)
-    reps = 20
-    start = time.perf_counter()
-    for _ in range(reps):
-        dst.copy_(src)
-    sync(device)
-    return 2 * nbytes * reps / (time.perf_counter() - start)
-
-
-def run_hf_static(model, prompts, lengths, batch_size: int, device: str) -> float:
-    eos = model.config.eos_token_id
-    start = time.perf_counter()
-    for i in range(0, len(prompts), batch_size):
-        batch = torch.tensor(prompts[i : i + batch_size], device=device)
-        longest = max(lengths[i : i + batch_size])
-        config = GenerationConfig(
-            max_new_tokens=longest, min_new_tokens=longest, do_sample=False, eos_token_id=eos, pad_token_id=0
-        )
-        with torch.inference_mode():
-            out = model.generate(batch, attention_mask=torch.ones_like(batch), generation_config=config)
-        assert out.shape[1] == batch.shape[1] + longest
-    sync(device)
-    return time.perf_counter() - start
-
-
-def run_hf_generate_batch(model, prompts, lengths, max_batch: int, smoke: bool) -> float:
-    """Timed from the first request to the last result, like kvserve: the manager's start
-    (cache allocation, CUDA-graph warm-up) and shutdown are left out."""
-    from transformers import ContinuousBatchingConfig
-
-    config = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=max(lengths))
-    # On GPU transformers sizes its cache and picks graphs itself; on CPU it would claim most of RAM.
-    extra = dict(use_cuda_graph=False, num_blocks=64) if smoke else {}
-    cb_config = ContinuousBatchingConfig(max_requests_per_batch=max_batch, **extra)
-    with model.continuous_batching_context_manager(
-        generation_config=config, continuous_batching_config=cb_config, block=True, timeout=60
-    ) as manager:
-        start = time.perf_counter()
-        generate_all(manager, prompts, lengths)
-        return time.perf_counter() - start
-
-
-def batch1_step(llm: LLM, prompt: list[int], steps: int, device: str) -> dict:
-    """Median engine step and runner forward for one running request."""
-    engine = llm.engine
-    rid = engine.add_request(prompt, SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True))
-    engine.step()  # prefill (+ first token)
-    table = list(engine.kv.block_ids(rid))
-    times = []
-    while engine.has_unfinished():
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
-    # The runner alone on the finished request's (now free) prompt blocks: graph replay + lm_head.
-    runner, ctx = engine.runner, len(prompt)
-    runner_times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        runner.execute([[1]], [ctx], [table], [0])
-        sync(device)
-        runner_times.append(time.perf_counter() - start)
-    return {
-        "engine_step_s": statistics.median(times[5:] or times),
-        "runner_step_s": statistics.median(runner_times[5:] or runner_times),
-        "context_len": ctx,
-        "cuda_graph": runner.graphs is not None,
-    }
-
-
-def decode_kernel_bandwidth(bandwidth: float) -> dict:
-    from replica.attention.triton_decode import paged_decode
-
-    batch, ctx, heads, kv_heads, head_dim, block_size = 64, 4096, 32, 8, 64, 16
-    per_seq = ctx // block_size
-    num_blocks = batch * per_seq
-    shape = (num_blocks, kv_heads, block_size, head_dim)
-    k_cache = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
-    v_cache = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
-    tables = torch.randperm(num_blocks, device="cuda").view(batch, per_seq).to(torch.int32)
-    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-    q = torch.randn(batch, heads, head_dim, dtype=torch.bfloat16, device="cuda")
-    out = torch.empty_like(q)
-    for _ in range(3):
-        paged_decode(q, k_cache, v_cache, tables, lens, head_dim**-0.5, out=out)
-    torch.cuda.synchronize()
-    reps = 50
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        paged_decode(q, k_cache, v_cache, tables, lens, head_dim**-0.5, out=out)
-    end.record()
-    torch.cuda.synchronize()
-    seconds = start.elapsed_time(end) / 1e3 / reps
-    kv_bytes = 2 * batch * ctx * kv_heads * head_dim * k_cache.element_size()
-    return {
-        "batch": batch,
-        "context_len": ctx,
-        "seconds": seconds,
-        "kv_bytes": kv_bytes,
-        "bandwidth_bytes_per_s": kv_bytes / seconds,
-        "fraction_of_copy_bandwidth": kv_bytes / seconds / bandwidth,
-    }
-
-
 def versions() -> dict:
-    out = {"torch": torch.__version__, "transformers": transformers.__version__}
-    for name in ("triton", "flash_attn"):
+    out = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
+    out["transformers"] = transformers.__version__
+    for name in ("triton", "flash_attn", "llguidance"):
         try:
             out[name] = __import__(name).__version__
         except ImportError:
@@ -217,11 +124,168 @@ def versions() -> dict:
     return out
 
 
+def machine(device: str) -> dict:
+    """The GPU this ran on (or the CPU, for --smoke) and its host CPU."""
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")),
+        platform.processor(),
+    )
+    info = {"host_cpu": cpu, "host_cores": os.cpu_count()}
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        info.update(
+            gpu=props.name,
+            compute_capability=f"{props.major}.{props.minor}",
+            multiprocessors=props.multi_processor_count,
+            memory_bytes=props.total_memory,
+        )
+    return info
+
+
+def _cpuinfo() -> list[str]:
+    path = Path("/proc/cpuinfo")
+    return path.read_text().splitlines() if path.exists() else []
+
+
 def slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", text.lower()).strip("_")
 
 
-def main() -> None:
+def measure(report: Report, system: str, run, workloads: dict, warm, budget: Budget, args) -> None:
+    """One system on every cap, after one untimed warm-up; each cap within its limit."""
+    runs = report.result["throughput"][system]
+    if budget.left() <= 0:
+        runs.update({cap: budget_spent(args.budget_s) for cap in workloads})
+        return
+    say(f"{system}: warm-up")
+    try:
+        run(*warm, math.inf)
+    except Exception as e:
+        runs.update({cap: failed(e) for cap in workloads})
+        report.write()
+        return
+    for cap, (prompts, lengths) in workloads.items():
+        limit = budget.limit(args.limit_s)
+        if limit <= 0:
+            runs[cap] = budget_spent(args.budget_s)
+            continue
+        try:
+            runs[cap] = run(prompts, lengths, limit).as_json()
+            say(f"cap={cap} {system}: {runs[cap]}")
+        except Exception as e:
+            runs[cap] = failed(e)
+        report.write()
+
+
+def kvserve_parts(report: Report, args, device: str, model_dir: Path, workloads, warm, budget, bandwidth):
+    """kvserve's throughput, then its batch-1 step against the memory floor."""
+    result = report.result
+    memory = {"gpu_memory_utilization": args.gpu_memory_utilization} if device == "cuda" else {}
+    say("kvserve: starting the engine")
+    llm = report.section(
+        "engine",
+        lambda: LLM(
+            str(model_dir),
+            dtype="bfloat16",
+            device=device,
+            max_num_seqs=args.batch_size,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.prompt_len + max(args.caps),
+            enable_prefix_caching=False,
+            kv_cache_memory_gb=0.25,
+            **memory,
+        ),
+    )
+    if llm is None:
+        result["throughput"]["kvserve"] = {cap: skipped("the engine failed to start") for cap in workloads}
+        result["batch1_decode"] = skipped("the engine failed to start")
+        return
+    runner = llm.engine.runner
+    result["engine"] = {
+        "status": "ran",
+        "attention_backend": runner.backend.name,
+        "block_size": runner.block_size,
+        "num_kv_blocks": runner.num_blocks,
+    }
+    if device == "cuda":
+        result["cuda_graphs"] = (
+            {"status": "ran", "batch_sizes": runner.graphs.sizes}
+            if runner.graphs
+            else skipped(f"the {runner.backend.name} backend runs without CUDA graphs")
+        )
+    say(f"kvserve: {result['engine']}")
+    measure(report, "kvserve", lambda p, n, s: run_kvserve(llm, p, n, s), workloads, warm, budget, args)
+
+    if budget.left() <= 0:
+        result["batch1_decode"] = budget_spent(args.budget_s)
+        return
+    steps = 16 if args.smoke else 200
+    batch1 = report.section(
+        "batch1_decode", lambda: batch1_step(llm, workloads[args.caps[0]][0][0], steps, device)
+    )
+    if batch1 is not None:
+        weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+        kv_bytes = batch1["context_len"] * runner.bytes_per_block // runner.block_size
+        floor = (weight_bytes + kv_bytes) / bandwidth
+        result["batch1_decode"] = {
+            "status": "ran",
+            **batch1,
+            "weight_bytes": weight_bytes,
+            "kv_bytes": kv_bytes,
+            "floor_s": floor,
+            "engine_step_over_floor": batch1["engine_step_s"] / floor,
+            "runner_step_over_floor": batch1["runner_step_s"] / floor,
+        }
+        say(f"batch-1 step: {result['batch1_decode']}")
+
+
+def hf_parts(report: Report, args, device: str, model_dir: Path, workloads, warm, budget) -> None:
+    systems = [s for s in ("hf_static", "hf_generate_batch") if s in args.systems]
+    if budget.left() <= 0:
+        report.result["hf_model"] = budget_spent(args.budget_s)
+        for system in systems:
+            report.result["throughput"][system] = {cap: budget_spent(args.budget_s) for cap in workloads}
+        return
+    say("HF model: loading")
+    hf = report.section(
+        "hf_model",
+        lambda: (
+            AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa")
+            .to(device)
+            .eval()
+        ),
+    )
+    if hf is None:
+        for system in systems:
+            report.result["throughput"][system] = {
+                cap: skipped("the HF model failed to load") for cap in workloads
+            }
+        return
+    report.result["hf_model"] = {"status": "ran", "attn_implementation": hf.config._attn_implementation}
+
+    def static(p, n, s):
+        return run_hf_static(hf, p, n, args.batch_size, args.hf_static_batches, s, device)
+
+    if "hf_static" in systems:
+        measure(report, "hf_static", static, workloads, warm, budget, args)
+    if "hf_generate_batch" in systems:
+        longest = max(max(lengths) for _, lengths in workloads.values())
+        try:
+            with generate_batch_manager(hf, longest, args.batch_size, args.smoke) as manager:
+
+                def generate_batch(p, n, s):
+                    return run_hf_generate_batch(manager, p, n, s)
+
+                measure(report, "hf_generate_batch", generate_batch, workloads, warm, budget, args)
+        except Exception as e:  # the manager's start or stop; runs record their own failures
+            error = failed(e)
+            for cap in workloads:
+                report.result["throughput"]["hf_generate_batch"].setdefault(cap, error)
+            report.write()
+    report.result["hf_model"]["attn_implementation_after_generate_batch"] = hf.config._attn_implementation
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -232,157 +296,61 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=256, help="max concurrent sequences, every system")
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--systems", nargs="+", default=["kvserve", "hf_static", "hf_generate_batch"])
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    parser.add_argument("--budget-s", type=float, default=210, help="no part starts after this")
+    parser.add_argument("--limit-s", type=float, default=25, help="per system and cap")
+    parser.add_argument("--hf-static-batches", type=int, default=1, help="HF static runs this many batches")
+    parser.add_argument("--full", action="store_true", help="no budget, no limits, every HF static batch")
     parser.add_argument(
         "--model-dir", type=Path, default=None, help="reuse (or create) the random model here"
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--smoke", action="store_true", help="tiny model on CPU, torch backend, seconds")
+    parser.add_argument("--out", type=Path, default=None, help="the JSON file")
+    parser.add_argument("--out-dir", type=Path, default=None, help="write gpu_<device>.json here")
+    parser.add_argument("--smoke", action="store_true", help="tiny model on CPU, seconds")
     args = parser.parse_args()
-
-    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
-    shape = TINY if args.smoke else LLAMA_1B
+    if args.full:
+        args.budget_s = args.limit_s = math.inf
+        args.hf_static_batches = sys.maxsize
     if args.smoke:
         args.num_requests, args.prompt_len, args.mean_output = 8, 32, 8
         args.caps, args.batch_size, args.max_num_batched_tokens = [4, 16], 4, 256
+        args.budget_s, args.limit_s = min(args.budget_s, 50), min(args.limit_s, 10)
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    budget = Budget(args.budget_s)
+    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    shape = TINY if args.smoke else LLAMA_1B
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    out_path = args.out or (Path(tempfile.gettempdir()) / "kvserve_gpu_smoke.json" if args.smoke else None)
-    out_path = out_path or RESULTS / f"gpu_{slug(device_name)}.json"
+    name = f"gpu_{'smoke_' if args.smoke else ''}{slug(device_name)}.json"
+    out_dir = args.out_dir or (Path(tempfile.gettempdir()) if args.smoke else RESULTS)
     model_dir = args.model_dir or Path(tempfile.mkdtemp(prefix="kvserve-bench-"))
-    print(f"device: {device_name}; model: {model_dir}", flush=True)
-    build_model(model_dir, shape, device)
-    torch.manual_seed(args.seed)
-
-    skipped: dict[str, str] = {}
-    bandwidth = copy_bandwidth(device, 2**30 if device == "cuda" else 2**26)
-    print(f"copy bandwidth: {bandwidth / 1e9:.0f} GB/s", flush=True)
-    workloads = {
-        cap: make_workload(
-            args.num_requests, args.prompt_len, args.mean_output, cap, shape["vocab_size"], args.seed
-        )
-        for cap in args.caps
-    }
-    warm = warm_up_workload(args.prompt_len, shape["vocab_size"], args.seed)
-    seconds: dict[str, dict[int, float]] = {}
-    engine_info, batch1 = {}, None
-
-    if "kvserve" in args.systems:
-        memory = {"gpu_memory_utilization": args.gpu_memory_utilization} if device == "cuda" else {}
-        llm = LLM(
-            str(model_dir),
-            dtype="bfloat16",
-            device=device,
-            max_num_seqs=args.batch_size,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.prompt_len + max(args.caps),
-            enable_prefix_caching=False,
-            kv_cache_memory_gb=0.25,
-            **memory,
-        )
-        runner = llm.engine.runner
-        engine_info = {
-            "attention_backend": runner.backend.name,
-            "block_size": runner.block_size,
-            "num_kv_blocks": runner.num_blocks,
-            "cuda_graph_batch_sizes": runner.graphs.sizes if runner.graphs else None,
-        }
-        print(f"kvserve: {engine_info}", flush=True)
-        run_kvserve(llm, *warm)
-        seconds["kvserve"] = {}
-        for cap, (prompts, lengths) in workloads.items():
-            seconds["kvserve"][cap] = run_kvserve(llm, prompts, lengths)
-            print(f"cap={cap} kvserve: {sum(lengths) / seconds['kvserve'][cap]:.0f} tok/s", flush=True)
-        weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-        batch1 = batch1_step(llm, workloads[args.caps[0]][0][0], 16 if args.smoke else 200, device)
-        kv_bytes = batch1["context_len"] * runner.bytes_per_block // runner.block_size
-        floor = (weight_bytes + kv_bytes) / bandwidth
-        batch1.update(
-            weight_bytes=weight_bytes,
-            kv_bytes=kv_bytes,
-            floor_s=floor,
-            engine_step_over_floor=batch1["engine_step_s"] / floor,
-            runner_step_over_floor=batch1["runner_step_s"] / floor,
-        )
-        print(f"batch-1 step: {batch1}", flush=True)
-        del llm, runner
-        free_memory()
-
-    hf_systems = [s for s in ("hf_static", "hf_generate_batch") if s in args.systems]
-    if hf_systems:
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa")
-        hf = hf.to(device).eval()
-
-        def run(system: str, prompts, lengths) -> float:
-            if system == "hf_static":
-                return run_hf_static(hf, prompts, lengths, args.batch_size, device)
-            return run_hf_generate_batch(hf, prompts, lengths, args.batch_size, args.smoke)
-
-        for system in hf_systems:
-            run(system, *warm)
-            seconds[system] = {}
-            for cap, (prompts, lengths) in workloads.items():
-                seconds[system][cap] = run(system, prompts, lengths)
-                print(f"cap={cap} {system}: {sum(lengths) / seconds[system][cap]:.0f} tok/s", flush=True)
-        engine_info["hf_attn_implementation_after_generate_batch"] = hf.config._attn_implementation
-        del hf
-        free_memory()
-
-    rows = []
-    for cap, (_, lengths) in workloads.items():
-        tps = {s: sum(lengths) / seconds[s][cap] for s in seconds}
-        row = {
-            "cap": cap,
-            "generated_tokens": sum(lengths),
-            "max_output": max(lengths),
-            "output_tokens_per_s": tps,
-        }
-        if "kvserve" in tps:
-            row["speedup_vs"] = {s: tps["kvserve"] / v for s, v in tps.items() if s != "kvserve"}
-        rows.append(row)
-
-    kernel = None
-    if device == "cuda" and "triton" in versions() and versions()["triton"]:
-        kernel = decode_kernel_bandwidth(bandwidth)
-        print(f"decode kernel: {kernel}", flush=True)
-    else:
-        skipped["decode_kernel"] = "needs a CUDA GPU and triton"
-    if device != "cuda":
-        skipped["cuda_graphs"] = "CPU run: no CUDA graphs, torch attention backend"
-
-    checks = {}
-    by_cap = {r["cap"]: r for r in rows}
-    if 1536 in by_cap and "hf_static" in by_cap[1536].get("speedup_vs", {}):
-        checks["speedup_vs_hf_static_at_cap_1536"] = by_cap[1536]["speedup_vs"]["hf_static"]
-    generate_batch = [
-        r["speedup_vs"]["hf_generate_batch"] for r in rows if "hf_generate_batch" in r.get("speedup_vs", {})
-    ]
-    if generate_batch:
-        checks["speedup_vs_hf_generate_batch"] = min(generate_batch)
-    if batch1:
-        checks["batch1_step_over_floor"] = batch1["engine_step_over_floor"]
-    if kernel:
-        checks["decode_kernel_bandwidth_fraction"] = kernel["fraction_of_copy_bandwidth"]
-    report = {}
-    for name, value in checks.items():
-        target = TARGETS[name]
-        ok = value <= target if name == "batch1_step_over_floor" else value >= target
-        report[name] = {"value": value, "target": target, "met": ok}
-        print(
-            f"{name}: {value:.2f} (target {'<=' if name == 'batch1_step_over_floor' else '>='} {target}) "
-            f"{'MET' if ok else 'MISSED'}",
-            flush=True,
-        )
-
-    result = {
-        "benchmark": "gpu",
-        "device": device_name,
-        "versions": versions(),
-        "smoke": args.smoke,
-        "model": "random-weight Llama-3.2-1B shape" if not args.smoke else "tiny random Llama",
-        "model_config": shape,
-        "dtype": "bfloat16",
-        "workload": {
+    report = Report(args.out or out_dir / name, {})
+    say(f"device: {device_name}; model: {model_dir}; out: {report.path}")
+    not_run = "not in --systems"
+    result = report.result
+    result.update(
+        benchmark="gpu",
+        complete=False,
+        device=device_name,
+        machine=machine(device),
+        versions=versions(),
+        smoke=args.smoke,
+        full=args.full,
+        limits=None
+        if args.full
+        else {
+            "budget_s": args.budget_s,
+            "per_system_and_cap_s": args.limit_s,
+            "hf_static_batches": args.hf_static_batches,
+        },
+        model="random-weight Llama-3.2-1B shape" if not args.smoke else "tiny random Llama",
+        model_config=shape,
+        dtype="bfloat16",
+        workload={
             "num_requests": args.num_requests,
             "prompt_len": args.prompt_len,
             "mean_output": args.mean_output,
@@ -392,18 +360,101 @@ def main() -> None:
             "ignore_eos": True,
             "seed": args.seed,
         },
-        "engine": engine_info,
-        "copy_bandwidth_bytes_per_s": bandwidth,
-        "throughput": rows,
-        "batch1_decode": batch1,
-        "decode_kernel": kernel,
-        "targets": report,
-        "skipped": skipped,
+        throughput={
+            s: {cap: skipped(not_run) for cap in args.caps} for s in SYSTEMS if s not in args.systems
+        },
+        engine=skipped(f"kvserve {not_run}"),
+        cuda_graphs=skipped("CPU run: no CUDA graphs"),
+        batch1_decode=skipped(f"kvserve {not_run}"),
+        hf_model=skipped("no HF system in --systems"),
+    )
+    start = time.perf_counter()
+    build_model(model_dir, shape, device)
+    bandwidth = copy_bandwidth(device, 2**30 if device == "cuda" else 2**26)
+    result.update(setup_s=time.perf_counter() - start, copy_bandwidth_bytes_per_s=bandwidth)
+    say(f"copy bandwidth: {bandwidth / 1e9:.0f} GB/s")
+    torch.manual_seed(args.seed)
+    vocab = shape["vocab_size"]
+    workloads = {
+        cap: make_workload(args.num_requests, args.prompt_len, args.mean_output, cap, vocab, args.seed)
+        for cap in args.caps
     }
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out_path}")
+    warm = warm_up_workload(args.prompt_len, vocab, args.seed)
+    result["throughput"].update({s: {} for s in args.systems})
+
+    if "kvserve" in args.systems:
+        kvserve_parts(report, args, device, model_dir, workloads, warm, budget, bandwidth)
+        free_memory()
+    if device != "cuda":
+        result["decode_kernel"] = skipped("needs a CUDA GPU")
+    elif not versions()["triton"]:
+        result["decode_kernel"] = skipped("triton is not installed")
+    elif (kernel := report.section("decode_kernel", lambda: decode_kernel_bandwidth(bandwidth))) is not None:
+        result["decode_kernel"] = {"status": "ran", **kernel}
+        say(f"decode kernel: {kernel}")
+    if {"hf_static", "hf_generate_batch"} & set(args.systems):
+        hf_parts(report, args, device, model_dir, workloads, warm, budget)
+        free_memory()
+
+    result["targets"] = targets(result)
+    result["complete"] = True
+    result["seconds"] = time.perf_counter() - start
+    report.write()
+    say(f"wrote {report.path} in {result['seconds']:.0f} s")
+    if cut := report.cut_short():
+        say(f"cut short: {', '.join(cut)}")
+    if failures := report.failures():
+        say(f"failed: {', '.join(failures)}")
+    return 1 if failures else 0
+
+
+def targets(result: dict) -> dict:
+    """Each bar the GPU path is held to, with the value measured and whether it came from
+    runs a limit cut short."""
+    runs = result["throughput"]
+    measured: dict[str, tuple[float, bool]] = {}
+
+    def speedup(system: str, cap: int) -> tuple[float, bool] | None:
+        ours, theirs = runs["kvserve"].get(cap, {}), runs[system].get(cap, {})
+        if ours.get("status") in ("ran", "partial") and theirs.get("status") in ("ran", "partial"):
+            ratio = ours["output_tokens_per_s"] / theirs["output_tokens_per_s"]
+            return ratio, "partial" in (ours["status"], theirs["status"])
+        return None
+
+    caps = result["workload"]["caps"]
+    if 1536 in caps and (value := speedup("hf_static", 1536)):
+        measured["speedup_vs_hf_static_at_cap_1536"] = value
+    batch = [v for cap in caps if (v := speedup("hf_generate_batch", cap))]
+    if batch:
+        measured["speedup_vs_hf_generate_batch"] = (min(v for v, _ in batch), any(p for _, p in batch))
+    if result["batch1_decode"].get("status") == "ran":
+        measured["batch1_step_over_floor"] = (result["batch1_decode"]["engine_step_over_floor"], False)
+    if result["decode_kernel"].get("status") == "ran":
+        measured["decode_kernel_bandwidth_fraction"] = (
+            result["decode_kernel"]["fraction_of_copy_bandwidth"],
+            False,
+        )
+    report = {}
+    for name, target in TARGETS.items():
+        if name not in measured:
+            report[name] = skipped("not measured in this run")
+            continue
+        value, partial = measured[name]
+        at_most = name == "batch1_step_over_floor"
+        met = value <= target if at_most else value >= target
+        report[name] = {
+            "status": "ran",
+            "value": value,
+            "target": target,
+            "met": met,
+            "from_partial_runs": partial,
+        }
+        say(
+            f"{name}: {value:.2f} (target {'<=' if at_most else '>='} {target}) {'MET' if met else 'MISSED'}"
+            + (" (from runs a limit cut short)" if partial else "")
+        )
+    return report
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

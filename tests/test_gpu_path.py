@@ -27,6 +27,7 @@ from replica.attention import flash_attn_backend as fa  # noqa: E402
 from replica.attention.torch_backend import kv_cache_shape, torch_paged_attention  # noqa: E402
 from replica.config import EngineConfig  # noqa: E402
 from replica.model_runner import ModelRunner  # noqa: E402
+from replica.sampling_params import StructuredOutputs  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -261,3 +262,50 @@ def test_kv_cache_fills_gpu_memory_sensibly(tiny_model):
     assert kv_bytes >= 0.9 * allowed  # a tiny model leaves nearly all of it to the KV cache
     del runner
     torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+def test_async_scheduling_matches_sync_with_sampling_penalties_and_a_grammar(tiny_model, device):
+    """Async scheduling (on by default on CUDA, forced here on CPU) against the synchronous
+    engine, on one batch mixing greedy, seeded sampling, penalties, logprobs, logit bias and
+    a grammar (whose mask needs the previous token, so its steps run synchronously): the
+    same tokens, text and finish reasons, and every block back."""
+    path, _ = tiny_model
+    prompts = ["Hi", "The sky is", "One two three four five", "x", "Answer yes or no:"]
+    params = [
+        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True),
+        SamplingParams(
+            max_tokens=12,
+            temperature=0,
+            repetition_penalty=1.3,
+            presence_penalty=0.5,
+            logprobs=2,
+            ignore_eos=True,
+        ),
+        SamplingParams(
+            max_tokens=12, temperature=1.0, top_k=5, seed=11, frequency_penalty=0.4, logit_bias={5: 3.0}
+        ),
+        SamplingParams(
+            max_tokens=12, temperature=0, structured_outputs=StructuredOutputs(choice=["yes", "no"])
+        ),
+    ]
+    outputs = []
+    for async_scheduling in (False, True):
+        llm = LLM(
+            str(path),
+            dtype="float32",
+            device=device,
+            num_kv_blocks=64,
+            max_model_len=256,
+            async_scheduling=async_scheduling,
+        )
+        assert llm.engine.async_scheduling is async_scheduling
+        outputs.append(
+            [(o.token_ids, o.text, o.finish_reason) for o in llm.generate(prompts, params, use_tqdm=False)]
+        )
+        stats = llm.engine.stats()
+        assert stats.kv.num_free_blocks == stats.kv.num_total_blocks
+    assert outputs[1] == outputs[0]
+    assert [len(tokens) for tokens, _, _ in outputs[0][:3]] == [12, 12, 12]
+    assert outputs[0][4][1] in ("yes", "no") and outputs[0][4][2] == "stop"
