@@ -65,6 +65,8 @@ def copy_bandwidth(device: str, nbytes: int) -> float:
 
 
 def run_kvserve(llm: LLM, prompts, lengths, limit_s: float = math.inf) -> Run:
+    """Every request submitted at once, the engine stepped until all are done or limit_s
+    has passed; then what is left is aborted, and its blocks come back."""
     engine = llm.engine
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
     start = time.perf_counter()
