@@ -17,7 +17,6 @@ import argparse
 import contextlib
 import ctypes
 import json
-import platform
 import random
 import statistics
 import subprocess
@@ -30,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from bench.machine import cpu_name  # noqa: E402
 from replica.attention.metadata import build_metadata  # noqa: E402
 from replica.cpu import build, ops  # noqa: E402
 
@@ -140,13 +140,6 @@ def compare(libs: dict[str, ctypes.CDLL], case: dict, rounds: int) -> dict:
         "head_gflops_best": round(case["flops"] / min(head) / 1e9, 1),
         "bit_identical": same,
     }
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def main() -> None:

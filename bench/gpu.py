@@ -64,6 +64,7 @@ from bench.gpu_runs import (  # noqa: E402
     run_hf_static,
     run_kvserve,
 )
+from bench.machine import cpu_name  # noqa: E402
 from bench.offline import make_workload, warm_up_workload  # noqa: E402
 from replica import LLM  # noqa: E402
 from replica.model_loader import bundled_tokenizer_path  # noqa: E402
@@ -126,11 +127,7 @@ def versions() -> dict:
 
 def machine(device: str) -> dict:
     """The GPU this ran on (or the CPU, for --smoke) and its host CPU."""
-    cpu = next(
-        (line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")),
-        platform.processor(),
-    )
-    info = {"host_cpu": cpu, "host_cores": os.cpu_count()}
+    info = {"host_cpu": cpu_name(), "host_cores": os.cpu_count()}
     if device == "cuda":
         props = torch.cuda.get_device_properties(0)
         info.update(
@@ -140,11 +137,6 @@ def machine(device: str) -> dict:
             memory_bytes=props.total_memory,
         )
     return info
-
-
-def _cpuinfo() -> list[str]:
-    path = Path("/proc/cpuinfo")
-    return path.read_text().splitlines() if path.exists() else []
 
 
 def slug(text: str) -> str:
