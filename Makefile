@@ -2,7 +2,7 @@
 VENV ?= .venv
 PROMPT ?= Write a haiku about paged memory.
 
-.PHONY: setup run generate test lint bench bench-serving bench-serving-peers bench-soak protos device-wheels device-rehearsal
+.PHONY: setup run generate test lint bench bench-serving bench-serving-peers bench-soak bench-lm-eval protos device-wheels device-rehearsal
 
 setup:
 	./scripts/setup.sh
@@ -32,6 +32,11 @@ bench-serving-peers: setup
 
 bench-soak: setup
 	HF_HUB_OFFLINE=1 $(VENV)/bin/python bench/soak.py
+
+# lm-eval's loglikelihood path against `kvserve serve`, checked against HF fp32. lm-eval is
+# no kvserve dependency: `$(VENV)/bin/pip install lm_eval torch==2.13.0` first.
+bench-lm-eval: setup
+	HF_HUB_OFFLINE=1 $(VENV)/bin/python bench/lm_eval_loglikelihood.py
 
 # The GPU kit (README "Running on a GPU"): .whl/ and .device/ for the GPU machine, then
 # the GPU run rehearsed on this CPU in a venv of the GPU image's versions (about 6 minutes

@@ -13,7 +13,7 @@ from ray.serve.config import (
 
 from deployments.autoscaling import KVPressurePolicy
 from replica.deployment import LLMServer
-from replica.llm import load_chat_template
+from replica.llm import default_chat_template, load_chat_template
 from replica.model_loader import BUNDLED_NAME, is_hub_id
 from replica.parallel.workers import replica_bundles
 from replica.versions import running_versions
@@ -165,7 +165,8 @@ def build_app(config: AppConfig | dict) -> Application:
         config.api_keys,
         config.max_request_bytes,
         warm_up=not can_scale_to_zero,
-        chat_template=load_chat_template(config.chat_template),  # read here: replicas may be elsewhere
+        # Read here: replicas may be elsewhere.
+        chat_template=load_chat_template(default_chat_template(config.model, config.chat_template)),
         versions=versions,
         max_migrations=config.max_migrations,
         more_llms=more,

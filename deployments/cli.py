@@ -84,6 +84,12 @@ def main(argv: list[str] | None = None) -> int:
         default=64,
         help="requests a replica lets wait for KV room; past it: another replica, then 429",
     )
+    srv.add_argument(
+        "--scheduling-policy",
+        default="fcfs",
+        choices=["fcfs", "priority"],
+        help="fcfs (default): in arrival order; priority: by each request's `priority`, lower first",
+    )
 
     bat = commands.add_parser(
         "batch", parents=[model_args], help="run a JSONL/Parquet file of prompts through Ray Data"
@@ -372,6 +378,7 @@ class _Server:
                     "kv_cache_memory_gb": args.kv_cache_memory_gb,
                     "cpu_cores": _cpu_cores(args.cpu_cores, args.replicas),
                     "tensor_parallel_size": args.tensor_parallel_size,
+                    "scheduling_policy": args.scheduling_policy,
                 },
             )
         except ValueError as e:

@@ -2,7 +2,8 @@
 
 from dataclasses import dataclass, fields
 
-SCHEDULING_POLICIES = ("continuous", "static")
+# fcfs and priority are vLLM's; static (a batch at a time) is only the benchmarks' baseline.
+SCHEDULING_POLICIES = ("fcfs", "priority", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flash_attn")
 
@@ -26,7 +27,7 @@ class EngineConfig:
     # process, the others in Ray actors of its placement group. NCCL on GPUs, gloo on CPU.
     tensor_parallel_size: int = 1
     enable_prefix_caching: bool = True
-    scheduling_policy: str = "continuous"
+    scheduling_policy: str = "fcfs"
     # auto: flash_attn > triton > torch on CUDA (each if installed); on CPU, kvserve's C
     # kernels (cpu) where they build, else torch.
     attention_backend: str = "auto"

@@ -91,15 +91,21 @@ class LLMServer:
     ) -> AsyncIterator[dict]:
         """Stream one request's deltas: dicts with text, token_ids, finish_reason, ...
         resume_token_ids: the output another replica already streamed (migration).
+        params: SamplingParams fields, and the request's `priority`, which is no sampling
+        parameter but travels with them, so that a migrated request keeps it too.
 
         Bad prompts or sampling values raise ValueError before anything is streamed."""
-        sampling = SamplingParams(**(params or {}))
+        params = dict(params or {})
+        priority = params.pop("priority", 0)
+        sampling = SamplingParams(**params)
         request_id = request_id or uuid.uuid4().hex
         stream = _Stream()
         self._streams[request_id] = stream
         unfinished = sampling.n  # samples; each item carries one sample's new output
         try:
-            await self._call_engine(self.engine.add_request, prompt, sampling, request_id, resume_token_ids)
+            await self._call_engine(
+                self.engine.add_request, prompt, sampling, request_id, resume_token_ids, priority
+            )
             while unfinished:
                 await stream.ready.wait()
                 stream.ready.clear()
@@ -231,6 +237,8 @@ def _merged(deltas: list[RequestDelta], replica_id: str, tokenizer) -> dict:
     logprobs = None
     if last.new_logprobs is not None:
         logprobs = [_logprob_entry(lp, tokenizer) for d in deltas for lp in d.new_logprobs]
+    # With prompt_logprobs, once: on the sample's first delta (None for the first token).
+    prompt = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None)
     return {
         "request_id": last.request_id,
         "replica_id": replica_id,
@@ -243,14 +251,19 @@ def _merged(deltas: list[RequestDelta], replica_id: str, tokenizer) -> dict:
         "num_prompt_tokens": last.num_prompt_tokens,
         "num_output_tokens": last.num_output_tokens,
         "num_cached_tokens": last.num_cached_tokens,
+        "prompt_logprobs": None if prompt is None else [_logprob_entry(lp, tokenizer) for lp in prompt],
     }
 
 
-def _logprob_entry(lp: TokenLogprob, tokenizer) -> dict:
+def _logprob_entry(lp: TokenLogprob | None, tokenizer) -> dict | None:
+    """None stays None: the first prompt token's entry. Prompt tokens' entries add "rank"."""
+    if lp is None:
+        return None
+
     def token(token_id: int) -> str:
         return tokenizer.convert_ids_to_tokens(token_id)
 
-    return {
+    entry = {
         "token_id": lp.token_id,
         "token": token(lp.token_id),
         "logprob": lp.logprob,
@@ -258,3 +271,6 @@ def _logprob_entry(lp: TokenLogprob, tokenizer) -> dict:
             {"token_id": t, "token": token(t), "logprob": v} for t, v in lp.top_logprobs.items()
         ],
     }
+    if lp.rank is not None:
+        entry["rank"] = lp.rank
+    return entry

@@ -17,6 +17,7 @@ from replica.detokenizer import IncrementalDetokenizer
 from replica.model_loader import resolve_model
 from replica.model_runner import ModelRunner
 from replica.outputs import RequestDelta, TokenLogprob
+from replica.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs, plan_prompt_rows
 from replica.request import PENDING, FinishReason, Request
 from replica.sampler import SamplerOutput, sample, torch_argmax
 from replica.sampling_params import SamplingParams
@@ -50,6 +51,7 @@ class _InFlight:
 
     requests: list[Request]
     sampled: SamplerOutput | None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class Engine:
@@ -87,6 +89,7 @@ class Engine:
         self._grammars: GrammarCompiler | None = None  # built by the first constrained request
         self._num_edited = 0  # live requests whose logits are edited (grammar or logit_bias)
         self._num_constrained = 0  # of which with a grammar
+        self._num_prompt_logprobs = 0  # live requests that asked for prompt logprobs
         # n > 1: the caller's id -> its samples not yet finished, and the samples waiting
         # for the first one's prefill, keyed by the first one's id.
         self._groups: dict[str, set[str]] = {}
@@ -98,13 +101,17 @@ class Engine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         resume_token_ids: list[int] | None = None,
+        priority: int = 0,
     ) -> str:
         """resume_token_ids: output a request already produced elsewhere (a replica that
-        died mid-stream); the request continues after it as if it had sampled it here."""
+        died mid-stream); the request continues after it as if it had sampled it here.
+        priority: under the priority scheduling policy, lower values are served first; as
+        in vLLM, a request attribute rather than a sampling parameter."""
         waiting = len(self.scheduler.waiting)
         if self.config.max_waiting is not None and waiting >= self.config.max_waiting:
             raise QueueFullError(f"{waiting} requests are already waiting (max_waiting)")
-        return self._add(prompt, params or SamplingParams(), request_id, resume_token_ids or [])
+        self._check_priority(priority)
+        return self._add(prompt, params or SamplingParams(), request_id, resume_token_ids or [], priority)
 
     def _add(
         self,
@@ -112,6 +119,7 @@ class Engine:
         params: SamplingParams,
         request_id: str | None,
         resume_token_ids: list[int] = (),
+        priority: int = 0,
     ) -> str:
         """With n > 1 the samples are requests of their own. Only the first is scheduled
         at once; the others follow when its prefill is done, so that they find the
@@ -126,7 +134,9 @@ class Engine:
         if request_id in self._requests or request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.n == 1:
-            request = self._new_request(request_id, text, token_ids, params)
+            if resume_token_ids:  # its prompt logprobs went out with its first chunk, elsewhere
+                params = replace(params, prompt_logprobs=None)
+            request = self._new_request(request_id, text, token_ids, params, priority=priority)
             if resume_token_ids:
                 self._resume(request, list(resume_token_ids))
             self._admit(request)
@@ -135,7 +145,13 @@ class Engine:
             raise ValueError("only a request with n = 1 can be resumed")
         samples = [
             self._new_request(
-                f"{request_id}#{i}", text, token_ids, _sample_params(params, i), group_id=request_id, index=i
+                f"{request_id}#{i}",
+                text,
+                token_ids,
+                _sample_params(params, i),
+                group_id=request_id,
+                index=i,
+                priority=priority,
             )
             for i in range(params.n)
         ]
@@ -152,6 +168,7 @@ class Engine:
         params: SamplingParams,
         group_id: str | None = None,
         index: int = 0,
+        priority: int = 0,
     ) -> Request:
         room = self.max_model_len - len(token_ids)
         generator = None
@@ -177,6 +194,7 @@ class Engine:
             matcher=matcher,
             group_id=group_id,
             index=index,
+            priority=priority,
         )
 
     def _resume(self, request: Request, output_ids: list[int]) -> None:
@@ -209,6 +227,7 @@ class Engine:
         if request.matcher is not None or request.params.logit_bias:
             self._num_edited += 1
             self._num_constrained += request.matcher is not None
+        self._num_prompt_logprobs += request.params.prompt_logprobs is not None
 
     def warm_up(self, num_tokens: int = 256) -> None:
         """Run a prefill of about num_tokens over two dummy requests and a few decode
@@ -276,17 +295,23 @@ class Engine:
             device = self.runner.device
             previous = self._in_flight.sampled.token_ids
             fill = (list(rows), previous[torch.tensor(sources, device=device)])
+        prompt = plan_prompt_rows(items) if self._num_prompt_logprobs else None
         logits = self.runner.execute(
             token_ids=token_ids,
             context_lens=[s.context_len for s in items],
             block_tables=[self.kv.block_ids(s.request.request_id) for s in items],
             sample_rows=sample_rows,
             fill=fill,
+            prompt_rows=prompt.rows if prompt is not None else None,
         )
         self.scheduler.advance(plan)
+        prompt_logprobs = None
+        if prompt is not None:  # their logits follow the sampling rows'
+            prompt_logprobs = compute_prompt_logprobs(logits[len(sample_rows) :], prompt)
+            logits = logits[: len(sample_rows)]
         requests = [items[i].request for i in sample_rows]
         if not requests:
-            return _InFlight([], None)
+            return _InFlight([], None, prompt_logprobs)
         if self._num_edited:
             self._edit_logits(logits, requests)
         sampled = sample(logits, self.sampling.batch(requests), self._argmax, self._temperature_sample)
@@ -295,9 +320,11 @@ class Engine:
             request.token_ids.append(PENDING)
             request.num_pending += 1
             request.pending_row = row
-        return _InFlight(requests, sampled)
+        return _InFlight(requests, sampled, prompt_logprobs)
 
     def _complete(self, launched: _InFlight) -> list[RequestDelta]:
+        if launched.prompt_logprobs is not None:  # before the tokens: a first delta carries them
+            launched.prompt_logprobs.resolve()
         if launched.sampled is None:
             return []
         tokens, logprobs = launched.sampled.resolve()
@@ -335,7 +362,8 @@ class Engine:
             request.logprobs.append(logprob)
         update = request.detokenizer.add_token(token)
         new_text = update.new_text
-        if request.num_output_tokens == request.num_pending + 1:  # its first token: prefill done
+        first = request.num_output_tokens == request.num_pending + 1
+        if first:  # its first token: prefill done
             for sample in self._deferred.pop(request.request_id, ()):
                 self._admit(sample)
 
@@ -362,6 +390,7 @@ class Engine:
             num_cached_tokens=request.num_cached_tokens,
             output=request.output() if reason else None,
             index=request.index,
+            prompt_logprobs=request.prompt_logprobs if first else None,
         )
 
     def _advance_grammar(self, request: Request, token: int) -> bool:
@@ -384,6 +413,16 @@ class Engine:
                 f"{self.max_model_len} tokens (including at least one generated token)"
             )
 
+    def _check_priority(self, priority: int) -> None:
+        """As vLLM: a non-zero priority under a policy that would ignore it is refused."""
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority and self.config.scheduling_policy != "priority":
+            raise ValueError(
+                f"got priority {priority}, but priority scheduling is not enabled "
+                "(scheduling_policy is not 'priority')"
+            )
+
     def _check_logit_bias(self, params: SamplingParams) -> None:
         vocab = self.runner.vocab_size
         if params.logit_bias and any(not 0 <= t < vocab for t in params.logit_bias):
@@ -392,11 +431,12 @@ class Engine:
     def _finish(self, request: Request, reason: FinishReason) -> None:
         self.scheduler.finish(request, reason)
         self.sampling.remove(request.request_id)
-        if self._requests.pop(request.request_id, None) is not None and (
-            request.matcher is not None or request.params.logit_bias
-        ):
+        live = self._requests.pop(request.request_id, None) is not None
+        if live and (request.matcher is not None or request.params.logit_bias):
             self._num_edited -= 1
             self._num_constrained -= request.matcher is not None
+        if live:
+            self._num_prompt_logprobs -= request.params.prompt_logprobs is not None
         if request.group_id is not None:
             unfinished = self._groups.get(request.group_id, set())
             unfinished.discard(request.request_id)
@@ -408,9 +448,11 @@ class Engine:
 
 
 def _sample_params(params: SamplingParams, index: int) -> SamplingParams:
-    """One of n samples: seeded samples draw from seed + index, as in vLLM."""
+    """One of n samples: seeded samples draw from seed + index, as in vLLM. The prompt's
+    logprobs are the first sample's: the others, deferred, take its cached prefix."""
     seed = None if params.seed is None else (params.seed + index) % 2**64
-    return replace(params, n=1, seed=seed)
+    prompt_logprobs = params.prompt_logprobs if index == 0 else None
+    return replace(params, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
 
 
 def _eos_ids(generation_config, tokenizer) -> frozenset[int]:

@@ -19,7 +19,7 @@ class LLM:
     def __init__(self, model: str | None = None, chat_template: str | None = None, **engine_args):
         """chat_template: instead of the model's, as in load_chat_template."""
         self.engine = Engine(EngineConfig.from_kwargs(model=model, **engine_args))
-        self.chat_template = load_chat_template(chat_template)
+        self.chat_template = load_chat_template(default_chat_template(model, chat_template))
 
     @property
     def tokenizer(self):
@@ -30,7 +30,10 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
+        """priority: one per prompt, for an engine with scheduling_policy="priority"
+        (lower values first), as in vLLM."""
         prompts = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
@@ -38,11 +41,14 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(priorities)} priorities")
 
         request_ids = []
         try:
-            for prompt, p in zip(prompts, params, strict=True):
-                request_ids.append(self.engine.add_request(prompt, p))
+            for prompt, p, rank in zip(prompts, params, priorities, strict=True):
+                request_ids.append(self.engine.add_request(prompt, p, priority=rank))
         except Exception:
             for request_id in request_ids:
                 self.engine.abort(request_id)
@@ -77,6 +83,18 @@ class LLM:
 
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "router" / "templates"
+
+
+# The bundled SmolLM2's own template renders no tools; this one renders the same chats,
+# and tools too, so the default model serves tool calls with no flag.
+BUNDLED_CHAT_TEMPLATE = "chatml_tools"
+
+
+def default_chat_template(model: str | None, chat_template: str | None) -> str | None:
+    """The chat template asked for; else, for the bundled model (model None), one that renders tools."""
+    if chat_template is None and model is None:
+        return BUNDLED_CHAT_TEMPLATE
+    return chat_template
 
 
 def load_chat_template(template: str | None) -> str | None:

@@ -297,6 +297,7 @@ class ModelRunner:
         sample_rows: list[int],
         fill: Fill | None = None,
         fill_rows: list[int] | None = None,
+        prompt_rows: list[int] | None = None,
     ) -> torch.Tensor | None:
         """One packed forward. Row i feeds token_ids[i] as the last tokens of a context of
         context_lens[i]; rows must be ordered decodes first. `fill` gives decode rows whose
@@ -304,24 +305,42 @@ class ModelRunner:
         device); their entries in token_ids are placeholders. Returns logits
         [len(sample_rows), V], in the model's dtype, for the last token of each row in
         sample_rows; None on tensor-parallel ranks other than 0, which are given the rows
-        of `fill` as `fill_rows` and receive its tokens from rank 0."""
+        of `fill` as `fill_rows` and receive its tokens from rank 0.
+
+        prompt_rows: packed token indices, ascending, whose logits are wanted too (prompt
+        logprobs); their logits follow the sampling rows'. Such a step takes the eager
+        path, whose row selection can pick any rows."""
         if self.workers is not None:
             rows = fill[0] if fill is not None else None
-            self.workers.execute(token_ids, context_lens, block_tables, sample_rows, rows)
+            self.workers.execute(token_ids, context_lens, block_tables, sample_rows, rows, prompt_rows)
         if self.group is not None:
             fill = self._share_fill(fill, fill_rows)
         query_lens = [len(t) for t in token_ids]
         pure_decode = all(q == 1 for q in query_lens)
-        if self.graphs is not None and pure_decode and self.graphs.can_run(len(token_ids)):
+        graphs = self.graphs is not None and pure_decode and not prompt_rows
+        if graphs and self.graphs.can_run(len(token_ids)):
             hidden = self.graphs.run([t[0] for t in token_ids], context_lens, block_tables, fill)  # [n, E]
             hidden = hidden if len(sample_rows) == len(token_ids) else hidden[sample_rows]
         else:
             last_rows = list(itertools.accumulate(query_lens))
             rows = [last_rows[i] - 1 for i in sample_rows]
+            order = None
+            if prompt_rows:  # the fused decoder wants ascending rows: merge, then reorder
+                rows, order = _merge_rows(rows, prompt_rows)
             if rows == list(range(last_rows[-1])):  # a decode step where every row samples
                 rows = None
             with self.cores.for_step(sum(query_lens)) if self.cores else contextlib.nullcontext():
                 hidden = self._forward_packed(token_ids, context_lens, block_tables, fill, rows)[0]  # [R, E]
-        if not sample_rows:
+            if order is not None:
+                hidden = hidden[torch.tensor(order, dtype=torch.long, device=hidden.device)]
+        if not sample_rows and not prompt_rows:
             return hidden.new_empty((0, self.vocab_size))
         return self.lm_head(hidden)
+
+
+def _merge_rows(sample_rows: list[int], prompt_rows: list[int]) -> tuple[list[int], list[int]]:
+    """Both sets of (disjoint) packed rows, ascending, and the order that puts the
+    sampling rows' hidden states first and the prompt rows' after them."""
+    merged = sorted(sample_rows + prompt_rows)
+    where = {row: i for i, row in enumerate(merged)}
+    return merged, [where[r] for r in (*sample_rows, *prompt_rows)]

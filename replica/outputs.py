@@ -10,6 +10,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top_logprobs: dict[int, float]
+    rank: int | None = None  # 1 = the most likely token; set on prompt tokens' entries
 
 
 @dataclass
@@ -29,6 +30,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]  # one per sample (n), in index order
     num_cached_tokens: int
     finished: bool = True
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def text(self) -> str:
@@ -55,6 +58,7 @@ class RequestDelta:
     num_cached_tokens: int
     output: RequestOutput | None = None  # the whole result, on the last delta only
     index: int = 0  # which of the request's n samples
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # on the request's first delta only
 
     @property
     def finished(self) -> bool:

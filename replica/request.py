@@ -42,6 +42,7 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     prompt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0  # with the priority scheduling policy: lower values are served first
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     num_computed_tokens: int = 0
@@ -58,12 +59,19 @@ class Request:
     matcher: llguidance.LLMatcher | None = None  # structured outputs: the grammar's state
     group_id: str | None = None  # with n > 1: the id the caller knows; None: request_id
     index: int = 0  # which of the group's n samples
+    # With params.prompt_logprobs: the entries read back so far (None for the first prompt
+    # token), and the next prompt token whose entry a step is to compute. The latter moves
+    # when a step is launched, so a recompute after preemption does not compute it again.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    next_prompt_logprob: int = 1
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
         if self.params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -72,6 +80,13 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether prompt logprobs are still to be computed: until then, its prefill
+        must run over every prompt token (no prefix-cache hits), since a cached block
+        has KV but no logits."""
+        return self.prompt_logprobs is not None and self.next_prompt_logprob < self.num_prompt_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -108,4 +123,5 @@ class Request:
             ],
             num_cached_tokens=self.num_cached_tokens,
             finished=self.is_finished,
+            prompt_logprobs=self.prompt_logprobs,
         )

@@ -54,6 +54,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n alternatives per sampled token
+    # vLLM's: each prompt token's logprob (the first's is None) and top-n alternatives,
+    # from the engine's own prefill (replica/prompt_logprobs.py)
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -114,6 +117,11 @@ class SamplingParams:
         check(
             self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
             f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
+        )
+        check(
+            self.prompt_logprobs is None
+            or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+            f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}",
         )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)

@@ -6,16 +6,24 @@ admitted with what budget remains. Chunked prefill and mixed prefill/decode step
 fall out of that rule. When blocks run out, the newest running request is preempted
 and later recomputed from scratch (its prefix blocks are likely still cached).
 
+The `priority` policy (vLLM's) orders both queues by each request's priority, lower
+values first: waiting requests are admitted by (priority, arrival), and the running
+request preempted first is the newest of the lowest priority. With equal priorities it
+schedules exactly as `fcfs` does.
+
 The `static` policy exists only as the benchmark baseline: a new batch is admitted
 only once every request of the previous batch has finished.
 """
 
-from collections import deque
+import bisect
 from dataclasses import dataclass, field
 
 from kvcache import KVCacheManager
-from kvcache.kv_manager import cdiv
+from kvcache.kv_manager import CachedPrefix, cdiv
 from replica.request import FinishReason, Request, RequestStatus
+from replica.request_queue import FCFSQueue, PriorityQueue
+
+NO_PREFIX = CachedPrefix([], 0)
 
 
 @dataclass
@@ -54,19 +62,21 @@ class Scheduler:
         kv: KVCacheManager,
         max_num_batched_tokens: int,
         max_num_seqs: int,
-        policy: str = "continuous",
+        policy: str = "fcfs",
     ):
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.static = policy == "static"
-        self.waiting: deque[Request] = deque()
+        self.by_priority = policy == "priority"  # else request priorities are ignored
+        self.waiting = PriorityQueue() if self.by_priority else FCFSQueue()
+        # In preemption order (see _run): the last one is preempted first.
         self.running: list[Request] = []
         self._batch_open = True  # static policy: whether the current batch still admits
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
-        self.waiting.append(request)
+        self.waiting.add(request)
 
     def num_pending_blocks(self) -> int:
         """Blocks that admitted and waiting requests will still take if each runs to its
@@ -93,7 +103,7 @@ class Scheduler:
                 continue
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._make_room(request, n, out):
-                break  # the request itself was preempted: nothing newer remains
+                break  # the request itself was preempted: it was running's last
             out.scheduled.append(ScheduledRequest(request, n))
             budget -= n
             i += 1
@@ -103,20 +113,22 @@ class Scheduler:
         if self.static and not self.running:
             self._batch_open = True
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and self._batch_open:
-            request = self.waiting[0]
-            cached = self.kv.find_cached_prefix(request.token_ids)
+            request = self.waiting.peek()
+            # Prompt logprobs need every prompt token's logits, which cached blocks lack.
+            skip_cache = request.needs_prompt_logprobs
+            cached = NO_PREFIX if skip_cache else self.kv.find_cached_prefix(request.token_ids)
             num_computed = len(cached.blocks) * self.kv.block_size
             n = min(request.num_tokens - num_computed, budget)
             if not self.kv.allocate(request.request_id, num_computed + n, cached):
                 self._batch_open = not self.static
                 break
-            self.waiting.popleft()
+            self.waiting.pop()
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_computed
             if request.num_preemptions == 0:
                 # A resumed request (migration) can also find its earlier output cached.
                 request.num_cached_tokens = min(num_computed, request.num_prompt_tokens)
-            self.running.append(request)
+            self._run(request)
             out.scheduled.append(ScheduledRequest(request, n))
             budget -= n
         if self.static and (not self.waiting or len(self.running) >= self.max_num_seqs):
@@ -133,9 +145,19 @@ class Scheduler:
         request.finish_reason = reason
         self.kv.free(request.request_id)
 
+    def _run(self, request: Request) -> None:
+        """Add to running, kept in admission order and, under the priority policy, by
+        priority first (a stable insert), so that its last request is the one to preempt:
+        the newest of the lowest priority. Running requests are served in this order too,
+        so a victim is never one already scheduled this step."""
+        if self.by_priority:
+            bisect.insort(self.running, request, key=lambda r: r.priority)
+        else:
+            self.running.append(request)
+
     def _make_room(self, request: Request, n: int, out: SchedulerOutput) -> bool:
-        """Preempt the newest running requests until `request` can hold n more tokens.
-        Returns False if `request` itself had to go."""
+        """Preempt running requests, the last (see _run) first, until `request` can hold
+        n more tokens. Returns False if `request` itself had to go."""
         while not self.kv.allocate(request.request_id, request.num_computed_tokens + n):
             victim = self.running[-1]
             self.preempt(victim)
@@ -162,4 +184,4 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.add_preempted(request)

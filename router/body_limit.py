@@ -3,6 +3,8 @@ gets 413 before any of it is parsed or held beyond the limit."""
 
 import json
 
+from router.anthropic import error_body, is_messages_path
+
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20  # a 128k-token prompt as text or as token ids fits
 
 
@@ -21,7 +23,7 @@ class BodySizeLimit:
         limit = getattr(scope["app"].state, "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES)
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > limit:
-            return await _too_large(send, limit)
+            return await _too_large(send, limit, scope["path"])
 
         messages, size = [], 0
         while True:
@@ -31,7 +33,7 @@ class BodySizeLimit:
                 break
             size += len(message.get("body", b""))
             if size > limit:
-                return await _too_large(send, limit)
+                return await _too_large(send, limit, scope["path"])
             if not message.get("more_body", False):
                 break
 
@@ -41,11 +43,11 @@ class BodySizeLimit:
         await self.app(scope, replay, send)
 
 
-async def _too_large(send, limit: int) -> None:
+async def _too_large(send, limit: int, path: str) -> None:
+    """In OpenAI's error shape, or Anthropic's on the Messages routes."""
     message = f"request body is larger than the limit of {limit} bytes"
-    body = json.dumps(
-        {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": 413}}
-    ).encode()
+    error = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": 413}}
+    body = json.dumps(error_body(413, message) if is_messages_path(path) else error).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": 413, "headers": headers})
     await send({"type": "http.response.body", "body": body})

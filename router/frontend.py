@@ -24,11 +24,18 @@ class EngineInput:
     """A validated request, ready for a replica, and how to shape its answer."""
 
     prompt: list[int]
-    params: dict  # SamplingParams fields; n is the number of samples generated
+    # SamplingParams fields (n is the number of samples generated), and the request's
+    # priority, which as in vLLM is no sampling parameter but crosses to the replica with them.
+    params: dict
     choices: int  # returned; fewer than the samples with best_of
     logprobs_wanted: bool  # the client's; best_of asks for logprobs to rank samples
     echo: str | None = None  # completions with echo: the prompt text
     tools: bool = False  # parse tool calls out of the text
+    prompt_logprobs_wanted: bool = False  # vLLM's prompt_logprobs: returned as their own list
+    # Echo with logprobs: the prompt's first token, whose entry leads the logprobs without
+    # a logprob; the prompt's other entries follow, then the generated tokens'.
+    echo_first_token: str | None = None
+    echo_only: bool = False  # echo with max_tokens 0 (vLLM's): the one token generated is dropped
 
 
 @dataclass
@@ -42,10 +49,12 @@ class Choice:
     finish_reason: str | None = None
     calls: list[tool_calls.ParsedCall] = field(default_factory=list)
     num_output_tokens: int = 0
+    started: bool = False  # a chunk has come
 
     @property
     def cumulative_logprob(self) -> float:
-        return sum(entry["logprob"] for entry in self.logprobs or ())
+        # Echoed prompt entries count alike for every sample; the first has no logprob.
+        return sum(entry["logprob"] for entry in self.logprobs or () if entry["logprob"] is not None)
 
 
 @dataclass
@@ -58,6 +67,7 @@ class ChoiceDelta:
     logprobs: list[dict] | None
     calls: list[tool_calls.ParsedCall]
     finish_reason: str | None
+    prompt_logprobs: list[dict | None] | None = None  # wanted, and carried by this chunk
 
 
 class Choices:
@@ -68,12 +78,23 @@ class Choices:
         self.samples = [Choice(i) for i in range(engine_input.params.get("n", 1))]
         self._streams = [tool_calls.ToolCallStream() for _ in self.samples] if engine_input.tools else None
         self.num_prompt_tokens = 0
+        # The replica's prompt entries (None first), from the first sample's first chunk.
+        self.prompt_logprobs: list[dict | None] | None = None
 
     def add(self, chunk: dict) -> ChoiceDelta:
         choice = self.samples[chunk["index"]]
+        prompt_logprobs = chunk.get("prompt_logprobs")
+        if prompt_logprobs is not None:
+            self.prompt_logprobs = prompt_logprobs
+        first, choice.started = not choice.started, True
         text, calls = chunk["text"], []
-        if self.input.echo is not None and not choice.token_ids and not choice.text:
+        token_ids, chunk_logprobs = chunk["token_ids"], chunk["logprobs"]
+        if self.input.echo_only:
+            text, token_ids, chunk_logprobs = "", [], None if chunk_logprobs is None else []
+        if self.input.echo is not None and first:
             text = self.input.echo + text
+            if self.input.echo_first_token is not None:
+                chunk_logprobs = self._echo_entries() + (chunk_logprobs or [])
         if self._streams is not None:
             stream = self._streams[chunk["index"]]
             text, calls = stream.feed(text)
@@ -83,15 +104,32 @@ class Choices:
         if finish_reason == "stop" and (calls or choice.calls):
             finish_reason = "tool_calls"
         choice.text += text
-        choice.token_ids += chunk["token_ids"]
+        choice.token_ids += token_ids
         choice.calls += calls
-        if chunk["logprobs"] is not None:
-            choice.logprobs = (choice.logprobs or []) + chunk["logprobs"]
+        if chunk_logprobs is not None:
+            choice.logprobs = (choice.logprobs or []) + chunk_logprobs
         choice.finish_reason = finish_reason
-        choice.num_output_tokens = chunk["num_output_tokens"]
+        choice.num_output_tokens = 0 if self.input.echo_only else chunk["num_output_tokens"]
         self.num_prompt_tokens = chunk["num_prompt_tokens"]
-        logprobs = chunk["logprobs"] if self.input.logprobs_wanted else None
-        return ChoiceDelta(choice.index, text, chunk["token_ids"], logprobs, calls, finish_reason)
+        logprobs = chunk_logprobs if self.input.logprobs_wanted else None
+        prompt_logprobs = prompt_logprobs if self.input.prompt_logprobs_wanted else None
+        return ChoiceDelta(choice.index, text, token_ids, logprobs, calls, finish_reason, prompt_logprobs)
+
+    def _echo_entries(self) -> list[dict]:
+        """The prompt's entries as echo shows them, as in vLLM: the first token's without
+        a logprob or alternatives, each other token's alternatives led by the token itself."""
+        first = {
+            "token_id": self.input.prompt[0],
+            "token": self.input.echo_first_token,
+            "logprob": None,
+            "top_logprobs": None,
+        }
+        entries = [first]
+        for e in (self.prompt_logprobs or [None])[1:]:
+            own = {"token_id": e["token_id"], "token": e["token"], "logprob": e["logprob"]}
+            others = [t for t in e["top_logprobs"] if t["token_id"] != e["token_id"]]
+            entries.append({**e, "top_logprobs": [own, *others]})
+        return entries
 
     def result(self) -> list[Choice]:
         """The returned choices: with best_of, the most likely samples, renumbered."""
@@ -138,22 +176,24 @@ class FrontEnd:
         # request's tokens; one thread, since a HF tokenizer must not be used concurrently.
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-tokenizer")
 
-    def check_auth(self, authorization: str | None) -> None:
-        """Raises 401 unless keys are off or `authorization` is "Bearer <a key>".
-        Every key is compared, in constant time, so timing reveals nothing."""
+    def check_auth(self, authorization: str | None, api_key: str | None = None) -> None:
+        """Raises 401 unless keys are off, `authorization` is "Bearer <a key>" or
+        `api_key` (Anthropic's x-api-key header) is a key. Every key is compared, in
+        constant time, so timing reveals nothing."""
         if not self._api_keys:
             return
         scheme, _, token = (authorization or "").partition(" ")
-        given = token.strip().encode() if scheme.lower() == "bearer" else b""
+        given = [token.strip().encode() if scheme.lower() == "bearer" else b"", (api_key or "").encode()]
         matched = False
         for key in self._api_keys:
-            matched |= hmac.compare_digest(given, key)
+            for candidate in given:
+                matched |= hmac.compare_digest(candidate, key)
         if not matched:
             raise APIError(401, "missing or invalid API key", kind="authentication_error")
 
     def check_model(self, model: str | None) -> None:
-        """None (allowed on /tokenize and /detokenize, as in vLLM) means this server's model."""
-        if model is not None and model != self.model_name:
+        """An absent or empty model (proto3's unset string) means the served one, as in vLLM."""
+        if model and model != self.model_name:
             raise APIError(
                 404,
                 f"model {model!r} does not exist; this server serves {self.model_name!r}",
@@ -186,13 +226,28 @@ class FrontEnd:
             self.check_token_ids(body.prompt, "prompt")
             prompt = body.prompt
         echo = None
+        prompt_logprobs, echo_first_token = body.prompt_logprobs, None
         if body.echo:
-            if body.logprobs is not None:
-                raise APIError(400, "echo with logprobs is not supported (no prompt logprobs)", "echo")
             echo = body.prompt if isinstance(body.prompt, str) else self.tokenizer.decode(body.prompt)
+            if body.logprobs is not None:  # as in vLLM: the prompt's logprobs lead the answer's
+                prompt_logprobs = body.logprobs if prompt_logprobs is None else prompt_logprobs
+                echo_first_token = self.tokenizer.convert_ids_to_tokens(prompt[0])
         structured = _structured(body)
         max_tokens = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default here
-        return self._engine_input(body, prompt, max_tokens, body.logprobs, structured, echo=echo)
+        # vLLM's echo without generation (lm-eval's loglikelihood requests may send it):
+        # one token is generated, as the engine always samples one, and not returned.
+        echo_only = bool(body.echo) and max_tokens == 0
+        engine_input = self._engine_input(
+            body,
+            prompt,
+            1 if echo_only else max_tokens,
+            body.logprobs,
+            structured,
+            echo,
+            prompt_logprobs=prompt_logprobs,
+        )
+        engine_input.echo_first_token, engine_input.echo_only = echo_first_token, echo_only
+        return engine_input
 
     async def chat_input(self, body: ChatCompletionRequest) -> EngineInput:
         self.check_model(body.model)
@@ -214,7 +269,15 @@ class FrontEnd:
             grammar = tool_calls.required_grammar(tools, named, parallel=bool(body.parallel_tool_calls))
             structured = {"grammar": grammar}
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return self._engine_input(body, prompt, max_tokens, body.num_logprobs, structured, tools=bool(tools))
+        return self._engine_input(
+            body,
+            prompt,
+            max_tokens,
+            body.num_logprobs,
+            structured,
+            tools=bool(tools),
+            prompt_logprobs=body.prompt_logprobs,
+        )
 
     def _engine_input(
         self,
@@ -225,6 +288,7 @@ class FrontEnd:
         structured: dict | None,
         echo: str | None = None,
         tools: bool = False,
+        prompt_logprobs: int | None = None,
     ) -> EngineInput:
         fields = body.sampling_fields()
         choices = fields.get("n", 1)
@@ -239,11 +303,15 @@ class FrontEnd:
         else:
             logprobs_wanted = logprobs is not None
         fields.update(max_tokens=max_tokens, logprobs=logprobs, structured_outputs=structured)
+        if prompt_logprobs is not None:
+            fields["prompt_logprobs"] = prompt_logprobs
         try:
             params = SamplingParams(**fields)
         except (TypeError, ValueError) as e:
             raise APIError(400, str(e)) from None
-        return EngineInput(prompt, params.as_dict(), choices, logprobs_wanted, echo, tools)
+        engine_params = {**params.as_dict(), "priority": getattr(body, "priority", None) or 0}
+        wanted = getattr(body, "prompt_logprobs", None) is not None
+        return EngineInput(prompt, engine_params, choices, logprobs_wanted, echo, tools, wanted)
 
     async def start(self, engine_input: EngineInput) -> Generation:
         llm = self.replicas.pick(engine_input.prompt, engine_input.params)
@@ -267,3 +335,23 @@ def _structured(body: CompletionRequest | ChatCompletionRequest) -> dict | None:
     if from_format is not None and guided is not None:
         raise APIError(400, "give response_format or a guided_* option, not both", "response_format")
     return from_format or guided
+
+
+def vllm_prompt_logprobs(entries: list[dict | None]) -> list[dict | None]:
+    """The replica's prompt entries as vLLM returns `prompt_logprobs`: None for the first
+    token, then per token a dict of token id -> logprob, rank and decoded token, holding
+    the prompt token and its top-n alternatives (ranks 1..n)."""
+    out: list[dict | None] = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        position = {
+            str(e["token_id"]): {"logprob": e["logprob"], "rank": e["rank"], "decoded_token": e["token"]}
+        }
+        for rank, t in enumerate(e["top_logprobs"], 1):
+            position.setdefault(
+                str(t["token_id"]), {"logprob": t["logprob"], "rank": rank, "decoded_token": t["token"]}
+            )
+        out.append(position)
+    return out

@@ -10,11 +10,14 @@ another replica, which goes on after the tokens already sent (Generation)."""
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from ray.exceptions import RayActorError
+from ray.serve import context as serve_context
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
@@ -143,6 +146,18 @@ async def _open(
             if attempt > START_RETRIES or not _worth_retrying(e):
                 raise as_api_error(e) from e
         await asyncio.sleep(0.1 * attempt)  # lets Serve's router notice a dead replica
+
+
+def as_own_request() -> None:
+    """Gives the calling task's Serve request context an internal request id of its own.
+    Calls to the replicas inherit it from the client's request, and Serve's router indexes
+    the calls it has yet to route by that id, so a second call routed concurrently for one
+    client request (a rerank's documents) overwrote the first, which then never left. Call
+    it first thing in a task of its own: the change stays in that task's context."""
+    context = serve_context._get_serve_request_context()
+    serve_context._serve_request_context.set(
+        dataclasses.replace(context, _internal_request_id=uuid.uuid4().hex)
+    )
 
 
 def _worth_retrying(e: Exception) -> bool:

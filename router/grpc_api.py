@@ -46,6 +46,8 @@ def sampling_fields(params: pb.SamplingParams) -> dict:
         fields["logit_bias"] = {str(k): v for k, v in params.logit_bias.items()}
     if params.HasField("response_format"):
         fields.update(_response_format(params.response_format))
+    if params.HasField("prompt_logprobs"):
+        fields["prompt_logprobs"] = params.prompt_logprobs
     return fields
 
 
@@ -76,6 +78,7 @@ def completion_body(request: pb.GenerateRequest) -> CompletionRequest:
     fields = sampling_fields(request.params)
     if request.params.HasField("logprobs"):
         fields["logprobs"] = request.params.logprobs
+    fields["priority"] = request.priority
     return CompletionRequest.model_validate({"model": request.model, "prompt": prompt, **fields})
 
 
@@ -90,6 +93,7 @@ def chat_body(request: pb.ChatRequest) -> ChatCompletionRequest:
         fields["tool_choice"] = request.tool_choice
     elif request.tool_choice:
         fields["tool_choice"] = {"type": "function", "function": {"name": request.tool_choice}}
+    fields["priority"] = request.priority
     return ChatCompletionRequest.model_validate({"model": request.model, "messages": messages, **fields})
 
 
@@ -170,6 +174,9 @@ class GrpcAPI:
             usage=pb.Usage(**choices.usage()),
             tool_calls=first.tool_calls,
             choices=result,
+            prompt_logprobs=_prompt_logprobs(
+                choices.prompt_logprobs if choices.input.prompt_logprobs_wanted else None
+            ),
         )
 
     async def _stream(self, request, grpc_context: RayServegRPCContext, chat: bool) -> AsyncIterator:
@@ -233,6 +240,7 @@ class GrpcAPI:
             logprobs=_logprobs(delta.logprobs),
             index=delta.index,
             tool_calls=[pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in delta.calls],
+            prompt_logprobs=_prompt_logprobs(delta.prompt_logprobs),
         )
 
 
@@ -254,9 +262,15 @@ def _logprobs(entries: list[dict] | None) -> list[pb.TokenLogprob]:
             token=e["token"],
             logprob=e["logprob"],
             top_logprobs=[pb.TopLogprob(token=t["token"], logprob=t["logprob"]) for t in e["top_logprobs"]],
+            rank=e.get("rank", 0),
         )
         for e in entries or ()
     ]
+
+
+def _prompt_logprobs(entries: list[dict | None] | None) -> list[pb.TokenLogprob]:
+    """The entries after the first prompt token's, which has none (proto has no null)."""
+    return _logprobs(entries[1:] if entries else None)
 
 
 class StreamError(Exception):

@@ -3,6 +3,7 @@ stream the replica's deltas back as JSON or server-sent events. The same deploym
 serves the gRPC API (router/grpc_api.py)."""
 
 import asyncio
+import itertools
 import json
 import logging
 import time
@@ -21,9 +22,10 @@ from transformers import AutoConfig, AutoTokenizer
 
 from replica.model_loader import is_hub_id, resolve_model
 from replica.versions import check_versions
+from router import anthropic, responses
 from router.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
 from router.coordinator import get_coordinator
-from router.frontend import ChoiceDelta, Choices, EngineInput, FrontEnd
+from router.frontend import ChoiceDelta, Choices, EngineInput, FrontEnd, vllm_prompt_logprobs
 from router.generation import DEFAULT_MAX_MIGRATIONS, APIError, Generation
 from router.grpc_api import GrpcAPI
 from router.metrics import ServingMetrics
@@ -36,6 +38,8 @@ from router.protocol import (
     main_error,
 )
 from router.replica_groups import ReplicaGroups
+from router.rerank import RelevanceScorer, RerankRequest, ScoreRequest, rerank_response, score_response
+from router.response_store import ResponseStore
 
 logger = logging.getLogger("ray.serve")
 REPLICA_HEADER = "x-kvserve-replica"
@@ -74,15 +78,20 @@ def _openapi() -> dict:
 app.openapi = _openapi
 
 
-def error_response(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+def error_response(
+    status: int, message: str, param: str | None = None, kind: str = "invalid_request_error", path: str = ""
+):
+    """OpenAI's error body; Anthropic's on the Messages routes, whose SDK reads that one."""
     body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    if anthropic.is_messages_path(path):
+        body = anthropic.error_body(status, message)
     headers = {"Retry-After": "1"} if status == 429 else None
     return JSONResponse(body, status_code=status, headers=headers)
 
 
 @app.exception_handler(APIError)
 async def _api_error(request: Request, e: APIError):
-    return error_response(e.status, e.message, e.param, e.kind)
+    return error_response(e.status, e.message, e.param, e.kind, request.url.path)
 
 
 @app.exception_handler(RequestValidationError)
@@ -90,15 +99,17 @@ async def _validation_error(request: Request, e: RequestValidationError):
     # OpenAI answers 400 (not FastAPI's 422) for malformed bodies and bad values.
     first = main_error(list(e.errors()))
     if first.get("type") == "json_invalid":
-        return error_response(400, f"body is not valid JSON: {first.get('ctx', {}).get('error', '')}")
+        message = f"body is not valid JSON: {first.get('ctx', {}).get('error', '')}"
+        return error_response(400, message, path=request.url.path)
     where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
-    return error_response(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}", where)
+    message = f"{where or 'body'}: {first.get('msg', 'invalid request')}"
+    return error_response(400, message, where, path=request.url.path)
 
 
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, e: StarletteHTTPException):
     """FastAPI's own errors (unreadable body, unknown path, wrong method) in OpenAI's shape."""
-    response = error_response(e.status_code, str(e.detail), kind="invalid_request_error")
+    response = error_response(e.status_code, str(e.detail), path=request.url.path)
     response.headers.update(e.headers or {})
     return response
 
@@ -162,7 +173,15 @@ class _Formatter:
                 ]
         else:
             content = d.text
-        return self.chunk(d.index, content, d.finish_reason, self._logprobs(d.logprobs))
+        start = len(self.choices.samples[d.index].text) - len(d.text)  # the delta's text offset
+        chunk = self.chunk(d.index, content, d.finish_reason, self._logprobs(d.logprobs, start))
+        if d.prompt_logprobs is not None:
+            self._add_prompt_logprobs(chunk, chunk["choices"][0], d.prompt_logprobs)
+        return chunk
+
+    def _add_prompt_logprobs(self, body: dict, choice: dict, entries: list[dict | None]) -> None:
+        """vLLM's places: on each completion choice; on a chat response, at its top level."""
+        (body if self.chat else choice)["prompt_logprobs"] = vllm_prompt_logprobs(entries)
 
     def _calls_before(self, d: ChoiceDelta) -> int:
         return len(self.choices.samples[d.index].calls) - len(d.calls)
@@ -185,7 +204,7 @@ class _Formatter:
             else:
                 choice["text"] = c.text
             choices.append(choice)
-        return {
+        body = {
             "id": self.id,
             "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created,
@@ -193,8 +212,13 @@ class _Formatter:
             "choices": choices,
             "usage": self.choices.usage(),
         }
+        if self.choices.input.prompt_logprobs_wanted and self.choices.prompt_logprobs is not None:
+            for choice in choices:  # the prompt's, the same for every choice
+                self._add_prompt_logprobs(body, choice, self.choices.prompt_logprobs)
+        return body
 
-    def _logprobs(self, entries: list[dict] | None) -> dict | None:
+    def _logprobs(self, entries: list[dict] | None, start: int = 0) -> dict | None:
+        """start: the text offset of the entries' first token in the choice's text."""
         if entries is None:
             return None
         if self.chat:
@@ -211,12 +235,22 @@ class _Formatter:
                 for e in entries
             ]
             return {"content": content}
+        # Echoed prompts lead with their first token, which has no logprob (None, as OpenAI).
+        tokens = [e["token"] for e in entries]
         return {
-            "tokens": [e["token"] for e in entries],
+            "tokens": tokens,
             "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
-            "text_offset": None,
+            "top_logprobs": [
+                None if e["top_logprobs"] is None else {t["token"]: t["logprob"] for t in e["top_logprobs"]}
+                for e in entries
+            ],
+            "text_offset": _text_offsets(tokens, start),
         }
+
+
+def _text_offsets(tokens: list[str], start: int) -> list[int]:
+    """As vLLM: each token's offset is the one before plus that token's string length."""
+    return list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=start)) if tokens else []
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)
@@ -267,6 +301,8 @@ class OpenAIIngress(GrpcAPI):
             max_migrations,
         )
         self._warm_up = asyncio.get_running_loop().create_task(self._send_warm_up()) if warm_up else None
+        self.response_store = ResponseStore()  # /v1/responses' store: this replica's, in memory
+        self.scorer = RelevanceScorer(self.frontend)
 
     async def _send_warm_up(self) -> None:
         """The first request through a fresh handle, router and replica connection took
@@ -323,6 +359,23 @@ class OpenAIIngress(GrpcAPI):
         self.frontend.check_token_ids(body.tokens, "tokens")
         return {"prompt": await self.frontend.in_tokenizer_thread(self.tokenizer.decode, body.tokens)}
 
+    @app.post("/v1/rerank", responses={400: _ERRORS_400, 401: _ERROR_401, 404: _ERROR_404})
+    async def rerank(self, body: RerankRequest, request: Request) -> dict:
+        """Documents by relevance to the query (vLLM's, Jina's and Cohere's rerank)."""
+        self.frontend.check_auth(request.headers.get("authorization"))
+        self.frontend.check_model(body.model)
+        pairs = [(body.query, text) for text in body.texts()]
+        scores, num_tokens = await self.scorer.score(pairs, body.relevance_prompt)
+        return rerank_response(self.model_name, body, scores, num_tokens)
+
+    @app.post("/v1/score", responses={400: _ERRORS_400, 401: _ERROR_401, 404: _ERROR_404})
+    async def score(self, body: ScoreRequest, request: Request) -> dict:
+        """vLLM's /v1/score: the relevance of each text_2 to its text_1."""
+        self.frontend.check_auth(request.headers.get("authorization"))
+        self.frontend.check_model(body.model)
+        scores, num_tokens = await self.scorer.score(body.pairs(), body.relevance_prompt)
+        return score_response(self.model_name, scores, num_tokens)
+
     def _tokenize(self, body: TokenizeRequest) -> list[int]:
         if body.prompt is not None:
             return self.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
@@ -349,12 +402,75 @@ class OpenAIIngress(GrpcAPI):
     @app.post("/v1/completions", responses=GENERATION_RESPONSES)
     async def completions(self, body: CompletionRequest, request: Request):
         self.frontend.check_auth(request.headers.get("authorization"))
+        if body.is_batch:
+            return await self._complete_batch(body)
         return await self._respond(body, await self.frontend.completion_input(body), chat=False)
+
+    async def _complete_batch(self, body: CompletionRequest) -> JSONResponse:
+        """A batch of prompts (OpenAI's and vLLM's): one response, whose choices are the
+        prompts' in order, prompt i's n choices from index i * n, and usage summed. Each
+        prompt is a generation of its own, run side by side; batches are not streamed."""
+        if body.streaming:
+            raise APIError(400, "a batch of prompts cannot be streamed; send them one by one", "prompt")
+        inputs = [await self.frontend.completion_input(one) for one in body.batch()]
+        generations = []
+        try:
+            for engine_input in inputs:
+                generations.append(await self.frontend.start(engine_input))
+            formatters = [
+                _Formatter("", self.model_name, False, Choices(engine_input)) for engine_input in inputs
+            ]
+
+            async def collect(generation: Generation, formatter: _Formatter) -> dict:
+                async for chunk in generation.chunks():
+                    formatter.choices.add(chunk)
+                return formatter.whole()
+
+            wholes = await asyncio.gather(*map(collect, generations, formatters))
+        finally:
+            for generation in generations:
+                generation.cancel()
+        choices = [choice for whole in wholes for choice in whole["choices"]]
+        for index, choice in enumerate(choices):
+            choice["index"] = index
+        usage = {key: sum(whole["usage"][key] for whole in wholes) for key in wholes[0]["usage"]}
+        body = {**wholes[0], "id": "cmpl-" + uuid.uuid4().hex, "choices": choices, "usage": usage}
+        return JSONResponse(body, headers={REPLICA_HEADER: generations[0].first["replica_id"]})
 
     @app.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         self.frontend.check_auth(request.headers.get("authorization"))
         return await self._respond(body, await self.frontend.chat_input(body), chat=True)
+
+    @app.post("/v1/messages", responses=anthropic.RESPONSES)
+    async def messages(self, body: anthropic.MessagesRequest, request: Request):
+        """Anthropic's Messages API, on the chat path (router/anthropic.py)."""
+        self.frontend.check_auth(request.headers.get("authorization"), request.headers.get("x-api-key"))
+        engine_input = await self.frontend.chat_input(anthropic.chat_request(body))
+        generation = await self.frontend.start(engine_input)
+        reply = anthropic.Reply(self.model_name, Choices(engine_input), body.stop_sequences, self._decode)
+        headers = {REPLICA_HEADER: generation.first["replica_id"]}
+        if body.stream:
+            events = reply.events(generation)
+            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+        try:
+            async for chunk in generation.chunks():
+                reply.choices.add(chunk)
+        finally:
+            generation.cancel()
+        return JSONResponse(await reply.message(), headers=headers)
+
+    @app.post("/v1/messages/count_tokens", responses=anthropic.RESPONSES)
+    async def count_message_tokens(self, body: anthropic.CountTokensRequest, request: Request) -> dict:
+        """The prompt's tokens as /v1/messages renders it, tools included."""
+        self.frontend.check_auth(request.headers.get("authorization"), request.headers.get("x-api-key"))
+        engine_input = await self.frontend.chat_input(anthropic.chat_request(body))
+        return {"input_tokens": len(engine_input.prompt)}
+
+    async def _decode(self, token_ids: list[int]) -> str:
+        return await self.frontend.in_tokenizer_thread(
+            lambda: self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        )
 
     async def _respond(self, body, engine_input: EngineInput, chat: bool):
         generation = await self.frontend.start(engine_input)
@@ -373,3 +489,27 @@ class OpenAIIngress(GrpcAPI):
         finally:
             generation.cancel()
         return JSONResponse(formatter.whole(), headers=headers)
+
+    @app.post("/v1/responses", responses=GENERATION_RESPONSES)
+    async def create_response(self, body: responses.ResponsesRequest, request: Request):
+        """OpenAI's Responses API, run as a chat request (router/responses.py)."""
+        self.frontend.check_auth(request.headers.get("authorization"))
+        turn = responses.prepare(body, self.response_store)
+        engine_input = await self.frontend.chat_input(turn.chat)
+        generation = await self.frontend.start(engine_input)
+        builder = responses.ResponseBuilder(turn, self.model_name, Choices(engine_input))
+        headers = {REPLICA_HEADER: generation.first["replica_id"]}
+        if body.stream:
+            events = responses.sse(builder, generation, self.response_store)
+            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+        whole = await responses.collect(builder, generation, self.response_store)
+        return JSONResponse(whole, headers=headers)
+
+    @app.get(
+        "/v1/responses/{response_id}",
+        responses={401: _ERROR_401, 404: {"model": ErrorResponse, "description": "no such stored response"}},
+    )
+    async def get_response(self, response_id: str, request: Request) -> dict:
+        """A stored response, while this ingress replica keeps it (router/response_store.py)."""
+        self.frontend.check_auth(request.headers.get("authorization"))
+        return responses.stored(self.response_store, response_id)

@@ -121,7 +121,7 @@ class ResponseFormat(BaseModel):
 class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    model: str
+    model: str | None = None  # absent or empty: the served model, as in vLLM
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -144,6 +144,11 @@ class _SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's: each prompt token's logprob and top-n alternatives, returned as a
+    # top-level `prompt_logprobs` list (None first, then token id -> logprob, rank, token).
+    prompt_logprobs: int | None = None
+    # Under --scheduling-policy priority, lower values are served first; not a sampling field.
+    priority: int | None = None
 
     def sampling_fields(self) -> dict:
         """The SamplingParams fields the client set (nulls left out), except max_tokens,
@@ -190,12 +195,37 @@ class _SamplingFields(BaseModel):
         return bool(self.stream)
 
 
+Text = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+
+
 class CompletionRequest(_SamplingFields):
-    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
+    # One prompt, or as OpenAI and vLLM take them a batch of prompts, whose choices come
+    # in prompt order. A batch of one is one prompt (lm-eval's local-completions sends [[ids]]).
+    prompt: (
+        Text
+        | TokenIds
+        | Annotated[list[Text], Field(min_length=1)]
+        | Annotated[list[TokenIds], Field(min_length=1)]
+    )
     logprobs: int | None = None
     echo: bool | None = False
     best_of: int | None = None
     response_format: ResponseFormat | None = None
+
+    @model_validator(mode="after")
+    def _batch_of_one(self) -> "CompletionRequest":
+        if self.is_batch and len(self.prompt) == 1:
+            self.prompt = self.prompt[0]
+        return self
+
+    @property
+    def is_batch(self) -> bool:
+        return isinstance(self.prompt, list) and not isinstance(self.prompt[0], int)
+
+    def batch(self) -> list["CompletionRequest"]:
+        """Each prompt of a batch as a request of its own."""
+        return [self.model_copy(update={"prompt": p}) for p in self.prompt] if self.is_batch else [self]
 
 
 class ChatCompletionRequest(_SamplingFields):

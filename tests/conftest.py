@@ -98,8 +98,9 @@ def llm_fp32(model_path):
     return LLM(str(model_path), dtype="float32")
 
 
-SERVE_HTTP_PORT = 18431
-SERVE_GRPC_PORT = 18432
+# Overridable so that two test sessions can run side by side on one machine.
+SERVE_HTTP_PORT = int(os.environ.get("KVSERVE_TEST_HTTP_PORT", "18431"))
+SERVE_GRPC_PORT = int(os.environ.get("KVSERVE_TEST_GRPC_PORT", "18432"))
 
 
 @pytest.fixture(scope="session")
@@ -122,6 +123,31 @@ def ray_cluster():
     if ray.is_initialized():
         serve.shutdown()
         ray.shutdown()
+
+
+AGENT_APP = "agent-apis"
+
+
+@pytest.fixture(scope="session")
+def agent_app(ray_cluster) -> str:
+    """One Serve app on the bundled model, as `make run` serves it (its default chat
+    template renders tools) but in fp32 for the logprob oracles, shared by the
+    tests/test_agent_*.py modules (Anthropic Messages, Responses, prompt logprobs,
+    rerank and score) and tests/test_priority.py, which is why it schedules by priority
+    (requests that give none are served exactly as under fcfs). Yields the app's base
+    URL, without /v1."""
+    from ray import serve
+
+    from deployments.app import build_app
+
+    engine_args = {"dtype": "float32", "kv_cache_memory_gb": 0.25, "scheduling_policy": "priority"}
+    config = {"app_name": AGENT_APP, "engine_args": engine_args}
+    serve.run(build_app(config), name=AGENT_APP, route_prefix=f"/{AGENT_APP}")
+    cluster = ray_cluster.get_runtime_context().gcs_address
+    yield f"http://127.0.0.1:{SERVE_HTTP_PORT}/{AGENT_APP}"
+    # tests/test_multinode.py may have replaced the session's cluster, and the app with it.
+    if ray_cluster.is_initialized() and ray_cluster.get_runtime_context().gcs_address == cluster:
+        undeploy(AGENT_APP)
 
 
 def pytest_collection_modifyitems(items):

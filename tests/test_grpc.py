@@ -4,6 +4,7 @@ import concurrent.futures
 import json
 import time
 
+import anthropic
 import grpc
 import httpx
 import pytest
@@ -239,6 +240,14 @@ def test_unauthenticated_without_the_key(ray_cluster, model_path):
         url = f"http://127.0.0.1:{SERVE_HTTP_PORT}/grpc-keys/v1/models"
         assert httpx.get(url).status_code == 401
         assert httpx.get(url, headers={"Authorization": "Bearer k-one"}).status_code == 200
+        # Anthropic's SDK sends its key as x-api-key, which the Messages routes take too.
+        base = f"http://127.0.0.1:{SERVE_HTTP_PORT}/grpc-keys"
+        question = [{"role": "user", "content": "Hi"}]
+        keyed = anthropic.Anthropic(base_url=base, api_key="k-two", max_retries=0)
+        assert keyed.messages.count_tokens(model=MODEL, messages=question).input_tokens > 0
+        with pytest.raises(anthropic.AuthenticationError) as info:
+            keyed.with_options(api_key="wrong").messages.count_tokens(model=MODEL, messages=question)
+        assert info.value.body["error"]["type"] == "authentication_error"
     finally:
         undeploy("grpc-keys")
 

@@ -1,7 +1,9 @@
 """Property tests: any interleaving of add, step, abort and preempt keeps the block
-accounting consistent and ends with every block free."""
+accounting consistent and ends with every block free; under the priority policy, the
+scheduler admits and preempts by priority, and with equal priorities it makes exactly
+the fcfs scheduler's decisions."""
 
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
@@ -16,7 +18,7 @@ MAX_LEN = NUM_BLOCKS * BLOCK_SIZE
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    policy = "continuous"
+    policy = "fcfs"
 
     def __init__(self):
         super().__init__()
@@ -105,11 +107,11 @@ TestStaticScheduler = StaticSchedulerMachine.TestCase
 
 def test_all_requests_finish_under_memory_pressure():
     """Progress: with preemption, every request eventually finishes even when they cannot all fit."""
-    for policy in ("continuous", "static"):
+    for policy in ("fcfs", "priority", "static"):
         kv = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE)
         scheduler = Scheduler(kv, max_num_batched_tokens=16, max_num_seqs=8, policy=policy)
         requests = [
-            Request(str(i), [i % 3] * 10 + [i], SamplingParams(max_tokens=20), max_tokens=20)
+            Request(str(i), [i % 3] * 10 + [i], SamplingParams(max_tokens=20), max_tokens=20, priority=i % 2)
             for i in range(8)
         ]
         for r in requests:
@@ -126,5 +128,126 @@ def test_all_requests_finish_under_memory_pressure():
                     scheduler.finish(r, FinishReason.LENGTH)
         assert all(r.num_output_tokens == 20 for r in requests), policy
         assert kv.num_free_blocks == NUM_BLOCKS
-        if policy == "continuous":
+        if policy != "static":
             assert scheduler.num_preemptions > 0
+
+
+class PrioritySchedulerMachine(SchedulerMachine):
+    """Mixed priorities: besides the block accounting, every step admits by (priority,
+    arrival) and preempts the newest of the lowest priority first."""
+
+    policy = "priority"
+
+    def __init__(self):
+        super().__init__()
+        self.admitted: dict[str, int] = {}  # request id -> when it was last admitted
+
+    @rule(
+        prompt=st.lists(st.integers(0, 2), min_size=1, max_size=20),
+        max_tokens=st.integers(1, 12),
+        priority=st.integers(-1, 2),
+    )
+    def add(self, prompt, max_tokens, priority):
+        rid = str(self.next_id)
+        self.next_id += 1
+        max_tokens = min(max_tokens, MAX_LEN - len(prompt))
+        request = Request(rid, prompt, SamplingParams(max_tokens=max_tokens), max_tokens, priority=priority)
+        self.scheduler.add(request)
+        self.live[rid] = request
+
+    @rule(token=st.integers(0, 2))
+    def step(self, token):
+        before = {r.request_id for r in self.scheduler.running}
+        plan = self.scheduler.schedule()
+        admitted = [r for r in self.scheduler.running if r.request_id not in before]
+        for request in admitted:
+            self.admitted[request.request_id] = len(self.admitted)
+            for waiting in self.scheduler.waiting:  # nobody still waiting goes first
+                assert _rank(request) < _rank(waiting)
+        survivors = [r for r in self.scheduler.running if r.request_id in before]
+        for victim in plan.preempted:
+            for other in survivors:  # a survivor has higher priority, or equal and came before
+                key = (other.priority, self.admitted[other.request_id])
+                assert key < (victim.priority, self.admitted[victim.request_id])
+        sampling = [s.request for s in plan.scheduled if s.samples]
+        self.scheduler.advance(plan)
+        for request in sampling:
+            request.token_ids.append(token)
+            if request.num_output_tokens >= request.max_tokens:
+                self.scheduler.finish(request, FinishReason.LENGTH)
+                del self.live[request.request_id]
+
+    @invariant()
+    def running_is_in_preemption_order(self):
+        priorities = [r.priority for r in self.scheduler.running]
+        assert priorities == sorted(priorities)
+
+
+PrioritySchedulerMachine.TestCase.settings = _settings
+TestPriorityScheduler = PrioritySchedulerMachine.TestCase
+
+
+def _rank(request: Request) -> tuple[int, float]:
+    return request.priority, request.arrival_time
+
+
+def _drain(policy: str, jobs: list[tuple[int, int, int, int]]) -> tuple[list, list[Request], KVCacheManager]:
+    """Run jobs (prompt length, max_tokens, priority, the step it arrives at) to the end
+    under memory pressure; returns every step's decisions, the requests and the KV."""
+    kv = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE)
+    scheduler = Scheduler(kv, max_num_batched_tokens=12, max_num_seqs=3, policy=policy)
+    requests = []  # in arrival order, which their ids follow
+    decisions = []
+    for step in range(3000):
+        for length, n, priority, _ in [job for job in jobs if job[3] == step]:
+            i = len(requests)
+            requests.append(
+                Request(
+                    str(i), [i % 3] * length, SamplingParams(max_tokens=n), max_tokens=n, priority=priority
+                )
+            )
+            scheduler.add(requests[-1])
+        if len(requests) == len(jobs) and not scheduler.has_unfinished():
+            break
+        plan = scheduler.schedule()
+        decisions.append(
+            (
+                [(s.request.request_id, s.num_new_tokens) for s in plan.scheduled],
+                [r.request_id for r in plan.preempted],
+            )
+        )
+        sampling = [s.request for s in plan.scheduled if s.samples]
+        scheduler.advance(plan)
+        for r in sampling:
+            r.token_ids.append(1)
+            if r.num_output_tokens >= r.max_tokens:
+                scheduler.finish(r, FinishReason.LENGTH)
+    return decisions, requests, kv
+
+
+_jobs = st.lists(
+    st.tuples(st.integers(1, 20), st.integers(1, 16), st.integers(0, 2), st.integers(0, 30)),
+    min_size=1,
+    max_size=12,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(jobs=_jobs)
+def test_mixed_priorities_all_finish_and_equal_priorities_keep_arrival_order(jobs):
+    """Nobody starves: every request finishes and every block is free again. Within one
+    priority, requests are first admitted in the order they arrived."""
+    decisions, requests, kv = _drain("priority", jobs)
+    assert all(r.num_output_tokens == r.max_tokens for r in requests)
+    assert kv.num_free_blocks == NUM_BLOCKS
+    first_admitted = list(dict.fromkeys(rid for scheduled, _ in decisions for rid, _ in scheduled))
+    for priority in {p for _, _, p, _ in jobs}:
+        same = [rid for rid in first_admitted if requests[int(rid)].priority == priority]
+        assert same == sorted(same, key=int)
+
+
+@settings(max_examples=150, deadline=None)
+@given(jobs=_jobs)
+def test_equal_priorities_schedule_exactly_as_fcfs(jobs):
+    jobs = [(length, n, 0, arrival) for length, n, _, arrival in jobs]
+    assert _drain("priority", jobs)[0] == _drain("fcfs", jobs)[0]
