@@ -184,8 +184,8 @@ def main() -> None:
     result = {
         "machine": before,
         "load_average_after": os.getloadavg(),
-        "note": "2-core machine shared with other agents' test runs: absolute figures are noisy; "
-        "both policies ran alternately (ABBA) under the same load.",
+        "note": "absolute figures follow the machine's load (recorded before and after); the "
+        "policies run alternately (ABBA), so the ratios compare like with like.",
         "config": {k: v for k, v in vars(args).items() if k != "out"} | {"engine_args": engine_args},
         "summary": summary(runs),
         "runs": runs,
