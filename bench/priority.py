@@ -148,7 +148,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=32)
     parser.add_argument("--max-num-seqs", type=int, default=8, help="the running batch's bound")
-    parser.add_argument("--rounds", type=int, default=1, help="ABBA rounds: each adds 2 runs per policy")
+    parser.add_argument("--rounds", type=int, default=2, help="ABBA rounds: each adds 2 runs per policy")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="default: bench/results/priority.json")
     parser.add_argument("--quick", action="store_true", help="tiny smoke run; writes only with --out")
