@@ -17,6 +17,20 @@ NUM_BLOCKS = 12
 MAX_LEN = NUM_BLOCKS * BLOCK_SIZE
 
 
+def complete_step(scheduler: Scheduler, plan, token: int) -> list[Request]:
+    """What the engine does once a planned step has run: every request it samples gets
+    `token`, and those at max_tokens finish. Returns the finished requests."""
+    sampling = [s.request for s in plan.scheduled if s.samples]
+    scheduler.advance(plan)
+    finished = []
+    for request in sampling:
+        request.token_ids.append(token)
+        if request.num_output_tokens >= request.max_tokens:
+            scheduler.finish(request, FinishReason.LENGTH)
+            finished.append(request)
+    return finished
+
+
 class SchedulerMachine(RuleBasedStateMachine):
     policy = "fcfs"
 
@@ -42,13 +56,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(token=st.integers(0, 2))
     def step(self, token):
         plan = self.scheduler.schedule()
-        sampling = [s.request for s in plan.scheduled if s.samples]
-        self.scheduler.advance(plan)
-        for request in sampling:
-            request.token_ids.append(token)
-            if request.num_output_tokens >= request.max_tokens:
-                self.scheduler.finish(request, FinishReason.LENGTH)
-                del self.live[request.request_id]
+        for request in complete_step(self.scheduler, plan, token):
+            del self.live[request.request_id]
 
     @rule(data=st.data())
     def abort(self, data):
@@ -120,12 +129,7 @@ def test_all_requests_finish_under_memory_pressure():
             if not scheduler.has_unfinished():
                 break
             plan = scheduler.schedule()
-            sampling = [s.request for s in plan.scheduled if s.samples]
-            scheduler.advance(plan)
-            for r in sampling:
-                r.token_ids.append(1)
-                if r.num_output_tokens >= r.max_tokens:
-                    scheduler.finish(r, FinishReason.LENGTH)
+            complete_step(scheduler, plan, 1)
         assert all(r.num_output_tokens == 20 for r in requests), policy
         assert kv.num_free_blocks == NUM_BLOCKS
         if policy != "static":
@@ -169,13 +173,8 @@ class PrioritySchedulerMachine(SchedulerMachine):
             for other in survivors:  # a survivor has higher priority, or equal and came before
                 key = (other.priority, self.admitted[other.request_id])
                 assert key < (victim.priority, self.admitted[victim.request_id])
-        sampling = [s.request for s in plan.scheduled if s.samples]
-        self.scheduler.advance(plan)
-        for request in sampling:
-            request.token_ids.append(token)
-            if request.num_output_tokens >= request.max_tokens:
-                self.scheduler.finish(request, FinishReason.LENGTH)
-                del self.live[request.request_id]
+        for request in complete_step(self.scheduler, plan, token):
+            del self.live[request.request_id]
 
     @invariant()
     def running_is_in_preemption_order(self):
@@ -216,12 +215,7 @@ def _drain(policy: str, jobs: list[tuple[int, int, int, int]]) -> tuple[list, li
                 [r.request_id for r in plan.preempted],
             )
         )
-        sampling = [s.request for s in plan.scheduled if s.samples]
-        scheduler.advance(plan)
-        for r in sampling:
-            r.token_ids.append(1)
-            if r.num_output_tokens >= r.max_tokens:
-                scheduler.finish(r, FinishReason.LENGTH)
+        complete_step(scheduler, plan, 1)
     return decisions, requests, kv
 
 
