@@ -20,6 +20,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
+sys.path.insert(0, str(ROOT))
+
+from bench.machine import machine  # noqa: E402
 
 
 def worktree(commit: str, where: Path) -> Path:
@@ -42,7 +45,7 @@ else:
 """
 
 
-def run_offline(tree: Path, workloads: list[str], out: Path) -> dict[str, float]:
+def run_offline(tree: Path, workloads: list[str], threads: int, out: Path) -> dict[str, float]:
     """Output tok/s per case of one offline.py run of kvserve_continuous in `tree`."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     where = subprocess.run(
@@ -55,7 +58,7 @@ def run_offline(tree: Path, workloads: list[str], out: Path) -> dict[str, float]
     ).stdout
     assert where.startswith(str(tree)), f"kvserve came from {where}, not {tree}"
     command = [sys.executable, "-c", LAUNCH, "bench/offline.py", "--systems", "kvserve_continuous"]
-    command += ["--workloads", *workloads, "--repeats", "1", "--out", str(out)]
+    command += ["--workloads", *workloads, "--threads", str(threads), "--repeats", "1", "--out", str(out)]
     subprocess.run(command, cwd=tree, env=env, check=True)
     result = json.loads(out.read_text())
     return {r["case"]: r["systems"]["kvserve_continuous"]["output_tokens_per_s"] for r in result["results"]}
@@ -69,6 +72,7 @@ def main() -> None:
     parser.add_argument("--head", default="HEAD")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workloads", nargs="+", default=["anyscale", "mixed"])
+    parser.add_argument("--threads", type=int, default=2, help="offline.py's torch threads")
     parser.add_argument("--out", type=Path, default=RESULTS / "ab_commits_cpu.json")
     args = parser.parse_args()
     commits = {
@@ -84,7 +88,9 @@ def main() -> None:
             for round_ in range(args.rounds):
                 order = ("base", "head") if round_ % 2 == 0 else ("head", "base")
                 for name in order:
-                    runs[name].append(run_offline(trees[name], args.workloads, Path(tmp) / f"{name}.json"))
+                    runs[name].append(
+                        run_offline(trees[name], args.workloads, args.threads, Path(tmp) / f"{name}.json")
+                    )
                     print(name, round_, runs[name][-1], flush=True)
         finally:
             for tree in trees.values():
@@ -106,6 +112,7 @@ def main() -> None:
         "benchmark": "bench/ab_commits.py: kvserve_continuous of bench/offline.py at two commits, in turns",
         "commits": commits,
         "rounds": args.rounds,
+        "machine": machine(threads=args.threads),
         "cases": cases,
     }
     args.out.write_text(json.dumps(result, indent=2))

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench.machine import cpu_name  # noqa: E402
+from bench.machine import machine  # noqa: E402
 from replica.attention.metadata import build_metadata  # noqa: E402
 from replica.cpu import build, ops  # noqa: E402
 
@@ -188,7 +188,7 @@ def main() -> None:
     out = {
         "what": "CPU paged attention, two commits' C kernels in turns in one process, 30 layers per timing",
         "commits": list(libs),
-        "machine": {"cpu": cpu_name(), "threads": args.threads},
+        "machine": machine(threads=args.threads),
         "args": vars(args),
         "cases": report,
     }

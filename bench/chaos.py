@@ -36,6 +36,7 @@ import openai  # noqa: E402
 import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
+from bench.machine import machine  # noqa: E402
 from deployments.app import build_app  # noqa: E402
 from router.coordinator import coordinator_address  # noqa: E402
 
@@ -304,7 +305,7 @@ def main() -> None:
     ray.shutdown()
     result = {
         "bench": "chaos",
-        "machine": {"cpus": os.cpu_count()},
+        "machine": machine(ray=ray.__version__),
         "single_run": True,
         **asdict(report),
         "max_recovery_s": report.max_recovery_s,

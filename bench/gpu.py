@@ -64,7 +64,7 @@ from bench.gpu_runs import (  # noqa: E402
     run_hf_static,
     run_kvserve,
 )
-from bench.machine import cpu_name  # noqa: E402
+from bench.machine import machine as host_machine  # noqa: E402
 from bench.offline import make_workload, warm_up_workload  # noqa: E402
 from replica import LLM  # noqa: E402
 from replica.model_loader import bundled_tokenizer_path  # noqa: E402
@@ -126,8 +126,11 @@ def versions() -> dict:
 
 
 def machine(device: str) -> dict:
-    """The GPU this ran on (or the CPU, for --smoke) and its host CPU."""
-    info = {"host_cpu": cpu_name(), "host_cores": os.cpu_count()}
+    """The GPU this ran on (or the CPU, for --smoke) and its host, as bench/machine.py
+    records a CPU machine: model, ISA flags, cores, torch threads, torch and oneDNN."""
+    host = host_machine()
+    info = {f"host_{key}": value for key, value in host.items() if key not in ("torch", "onednn")}
+    info.update(torch=host["torch"], onednn=host["onednn"])
     if device == "cuda":
         props = torch.cuda.get_device_properties(0)
         info.update(

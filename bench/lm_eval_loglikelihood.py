@@ -30,7 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.machine import cpu_name  # noqa: E402
+from bench.machine import machine  # noqa: E402
 from replica.model_loader import resolve_model  # noqa: E402
 
 TASK = "kvserve_mc"
@@ -138,25 +138,6 @@ def hf_loglikelihoods(model_path: Path, samples: list[dict]) -> list[dict]:
     return rows
 
 
-def machine() -> dict:
-    flags = set()
-    cpuinfo = Path("/proc/cpuinfo")
-    for line in cpuinfo.read_text().splitlines() if cpuinfo.exists() else []:
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            break
-    return {
-        "cpu": cpu_name(),
-        "cpus": os.cpu_count(),
-        "flags": sorted(f for f in flags if f.startswith(("avx512", "amx")) or f in ("avx2", "fma")),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": version("transformers"),
-        "lm_eval": version("lm_eval"),
-    }
-
-
 def main() -> int:
     model_path = resolve_model(None)
     port = free_port()
@@ -187,7 +168,12 @@ def main() -> int:
         "tolerance": TOLERANCE,
         "is_greedy_agree": f"{greedy_agree}/{len(rows)}",
         "lm_eval_seconds": lm_eval_s,
-        "machine": machine(),
+        "machine": machine(
+            platform=platform.platform(),
+            python=platform.python_version(),
+            transformers=version("transformers"),
+            lm_eval=version("lm_eval"),
+        ),
         "requests": rows,
     }
     RESULT.write_text(json.dumps(report, indent=2) + "\n")

@@ -1,13 +1,12 @@
-"""What a benchmark result records of the machine it ran on."""
+"""What every benchmark result records of the machine it ran on, under "machine": the same
+fingerprint the CPU kernel timings are keyed by (replica.cpu.machine: CPU model, ISA flags,
+cores, threads, torch, oneDNN), so results from different machines can be told apart and
+compared like with like, plus whatever a benchmark adds (a Ray version, the load average).
+bench/gpu.py keeps its own GPU record and adds this one's fields for its host."""
 
-import platform
-from pathlib import Path
+from replica.cpu.machine import fingerprint
 
 
-def cpu_name() -> str:
-    """The CPU's model string, from /proc/cpuinfo where there is one."""
-    cpuinfo = Path("/proc/cpuinfo")
-    for line in cpuinfo.read_text().splitlines() if cpuinfo.exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
+def machine(threads: int | None = None, **extra) -> dict:
+    """The machine fingerprint at `threads` (torch's thread count if None), and `extra`."""
+    return {**fingerprint(threads), **extra}

@@ -34,7 +34,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -48,12 +47,19 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, GenerationConfig  # noqa: E402
 
+from bench.machine import machine  # noqa: E402
 from bench.peers import VllmPeer  # noqa: E402
 from replica import LLM, SamplingParams  # noqa: E402
+from replica.cpu import linear_kernels  # noqa: E402
 from replica.model_loader import resolve_model  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
-FAST_SYSTEMS = ("kvserve_continuous", "kvserve_static", "vllm", "vllm_tuned")  # repeated, round-robin
+# Repeated, round-robin; kvserve_<kernel> is kvserve continuous with cpu_kernels=<kernel>.
+FAST_SYSTEMS = ("kvserve_continuous", "kvserve_static", "vllm", "vllm_tuned")
+
+
+def repeated(system: str) -> bool:
+    return system in FAST_SYSTEMS or system.startswith("kvserve_")
 
 
 def make_workload(n: int, prompt_len: int, mean: float, cap: int, vocab: int, seed: int):
@@ -259,7 +265,7 @@ def measure(case: dict, runners: dict, rates: dict, flops: tuple[int, int], args
     samples = {system: [] for system in runners}
     for rep in range(args.repeats):
         for system, run in runners.items():
-            if rep > 0 and system not in FAST_SYSTEMS:
+            if rep > 0 and not repeated(system):
                 continue
             time.sleep(args.pause)  # let the previous system's threads go quiet
             print(f"{case['name']} {system} (run {rep + 1}) ...", flush=True)
@@ -328,6 +334,12 @@ def main() -> None:
         "vllm_tuned",
     ]
     parser.add_argument("--systems", nargs="+", default=all_systems)
+    parser.add_argument(
+        "--kernel-ab",
+        action="store_true",
+        help="also run kvserve continuous with each CPU kernel that can run here forced (kvserve_gemm.c, "
+        "kvserve_onednn, kvserve_torch), against the automatic choice (kvserve_continuous)",
+    )
     parser.add_argument("--vllm-python", type=Path, default=ROOT / ".venv-vllm" / "bin" / "python")
     parser.add_argument("--pause", type=float, default=1.0, help="seconds of quiet before each timed run")
     parser.add_argument("--seed", type=int, default=0)
@@ -360,6 +372,11 @@ def main() -> None:
     if "kvserve_static" in args.systems:
         static = LLM(str(model_path), scheduling_policy="static", **engine_args)
         runners["kvserve_static"] = lambda p, n, llm=static: run_kvserve(llm, p, n)
+    if args.kernel_ab:
+        for kernel in linear_kernels.LINEAR_KERNELS:
+            if linear_kernels.can_run(kernel, dtype, hf.config.hidden_size):
+                forced = LLM(str(model_path), cpu_kernels=kernel, **engine_args)
+                runners[f"kvserve_{kernel}"] = lambda p, n, llm=forced: run_kvserve(llm, p, n)
     if "hf_static" in args.systems:
         runners["hf_static"] = lambda p, n: run_hf_static(hf, p, n, args.batch_size)
     # The vLLM processes must stop even on an error.
@@ -381,9 +398,11 @@ def main() -> None:
         warm_up(runners, args, hf.config.vocab_size)
         rows = [measure(case, runners, rates, (decoder_flops, lm_head_flops), args) for case in cases]
 
+    host = machine(threads=args.threads)
     result = {
         "benchmark": "offline",
-        "device": f"cpu: {platform.processor() or platform.machine()}, {args.threads} threads",
+        "device": f"cpu: {host['cpu']}, {args.threads} threads",
+        "machine": host,
         "torch": torch.__version__,
         "vllm": next(iter(peers.values())).version if peers else None,
         "model": str(args.model or "bundled SmolLM2-135M-Instruct"),

@@ -48,6 +48,7 @@ from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.machine import machine  # noqa: E402
 from kvcache import KVCacheManager  # noqa: E402
 from router import kv_router  # noqa: E402
 from router.kv_router import ReplicaView, RoutedRequest, blocks_needed, placement  # noqa: E402
@@ -259,6 +260,7 @@ def main() -> None:
         "bar": f"new_over_ideal >= {BAR} in the scenarios whose parameters have bar: true",
         "bar_met": all(r["new_over_ideal"] >= BAR for r in results.values() if r["parameters"]["bar"]),
         "python": platform.python_version(),
+        "machine": machine(),
         "scenarios": results,
     }
     if not args.quick:

@@ -33,10 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx  # noqa: E402
 import ray  # noqa: E402
-import torch  # noqa: E402
 from ray import serve  # noqa: E402
 
-from bench.machine import cpu_name  # noqa: E402
+from bench.machine import machine  # noqa: E402
 from bench.serving import MODEL, Result, percentile, stream  # noqa: E402
 from deployments.app import build_app  # noqa: E402
 from router.coordinator import coordinator_address  # noqa: E402
@@ -127,18 +126,6 @@ def summary(runs: list[dict]) -> dict:
     return out
 
 
-def machine() -> dict:
-    return {
-        "cpu": cpu_name(),
-        "cpus": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "ray": ray.__version__,
-        "load_average_1_5_15": os.getloadavg(),
-    }
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -159,7 +146,12 @@ def main() -> None:
         args.out = RESULTS / "priority.json"
     engine_args = {"dtype": "auto", "device": "cpu", "cpu_cores": "auto", "max_num_seqs": args.max_num_seqs}
     jobs = load(args)
-    before = machine()
+    before = machine(
+        platform=platform.platform(),
+        python=platform.python_version(),
+        ray=ray.__version__,
+        load_average_1_5_15=os.getloadavg(),
+    )
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})

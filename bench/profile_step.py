@@ -17,7 +17,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import sys
 import time
 from collections import defaultdict
@@ -32,6 +31,7 @@ from transformers.models.llama import modeling_llama  # noqa: E402
 
 import replica.engine  # noqa: E402
 import replica.model_runner  # noqa: E402
+from bench.machine import machine  # noqa: E402
 from bench.offline import make_mixed_workload, run_kvserve  # noqa: E402
 from replica import LLM  # noqa: E402
 from replica.cpu import layers, ops  # noqa: E402
@@ -163,10 +163,12 @@ def main() -> None:
     engine_args = dict(
         dtype="bfloat16", max_num_seqs=64, block_size=32, kv_cache_memory_gb=2.0, enable_prefix_caching=False
     )
+    host = machine(threads=args.threads)
     prompts, lengths = make_mixed_workload(args.requests, (32, 160), 48, 256, 49152, seed=0)
     result = {
         "benchmark": "profile_step",
-        "device": f"cpu: {platform.processor() or platform.machine()}, {args.threads} threads",
+        "device": f"cpu: {host['cpu']}, {args.threads} threads",
+        "machine": host,
         "model": "bundled SmolLM2-135M-Instruct",
         "workload": {"num_requests": args.requests, "prompt_lens": [32, 160], "mean_output": 48, "cap": 256},
         "engine_args": engine_args,

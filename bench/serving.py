@@ -41,6 +41,7 @@ import httpx  # noqa: E402
 import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
+from bench.machine import machine  # noqa: E402
 from deployments.app import build_app  # noqa: E402
 from router.coordinator import coordinator_address  # noqa: E402
 
@@ -358,7 +359,7 @@ def main() -> None:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     result = {
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "machine": machine(platform=platform.platform(), ray=ray.__version__),
         "config": {k: v for k, v in vars(args).items() if k not in ("out", "only")},
     }
     try:

@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from bench.machine import machine  # noqa: E402
 from replica.model_loader import BUNDLED_NAME, resolve_model  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -164,7 +165,7 @@ def plot(result: dict, path: Path) -> None:
     right.set(xscale="log", xlabel="concurrency", ylabel="ms", title="Median time per output token")
     for axis in (left, right):
         axis.legend()
-    fig.suptitle(f"{result['workload']}; {result['machine']['cpus']} cores, one run each", fontsize=9)
+    fig.suptitle(f"{result['workload']}; {result['machine']['cores']} cores, one run each", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -188,7 +189,7 @@ def main() -> None:
     model = resolve_model(None)
     result = {
         "benchmark": "serving_peers",
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "machine": machine(platform=platform.platform()),
         "workload": f"random {args.input_len} in / {args.output_len} out, --ignore-eos, 4 warm-ups",
         "note": "each figure is from a single run; servers and client share the machine",
         "systems": {system: run_system(system, model, args) for system in args.systems},

@@ -33,6 +33,7 @@ import psutil  # noqa: E402
 import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
+from bench.machine import machine  # noqa: E402
 from deployments.app import GRPC_SERVICER, build_app  # noqa: E402
 from router.coordinator import coordinator_address  # noqa: E402
 from router.protos import kvserve_pb2 as pb  # noqa: E402
@@ -265,7 +266,7 @@ def main() -> None:
     valid_ok = sum(classify(o) in ("completed", "clean_error") for o in valid)
     free = {r: (s["num_free_blocks"], s["num_total_blocks"]) for r, s in final.items()}
     result = {
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "machine": machine(platform=platform.platform(), ray=ray.__version__),
         "config": {**vars(args), "out": str(args.out), "replicas": 2, "engine_args": engine_args},
         "seconds": round(seconds, 1),
         "requests_per_s": round(len(outcomes) / seconds, 2),

@@ -13,18 +13,20 @@ import argparse
 import json
 import multiprocessing
 import os
-import platform
 import socket
 import statistics
+import sys
 import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ray  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from bench.machine import machine  # noqa: E402
 from replica import LLM, SamplingParams  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "tensor_parallel_cpu.json"
@@ -94,7 +96,7 @@ def main() -> None:
     latency = gloo_all_reduce_s((args.requests, hidden))
     collectives = 2 * num_layers + 2  # per layer attention and MLP, the embedding, the logits
     report = {
-        "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
+        "machine": machine(threads=1, ray=ray.__version__),  # one thread per rank
         "model": "SmolLM2-135M-Instruct (bundled), bf16",
         "workload": {"requests": args.requests, "output_len": args.output_len, "submitted": "all at once"},
         "single_run": True,

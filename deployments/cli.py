@@ -25,6 +25,13 @@ def main(argv: list[str] | None = None) -> int:
     model_args.add_argument("--revision", default=None, help="of a hub id: branch, tag or commit")
     model_args.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     model_args.add_argument(
+        "--cpu-kernels",
+        default="auto",
+        choices=["auto", "gemm.c", "onednn", "torch"],
+        help="on CPU: auto picks each linear's kernel per row count by measurement on this machine "
+        "(cached in ~/.cache/kvserve/kernels); a name forces it, for A/B runs",
+    )
+    model_args.add_argument(
         "--tensor-parallel-size",
         type=int,
         default=1,
@@ -138,6 +145,7 @@ def _batch(args: argparse.Namespace) -> int:
                 "model": args.model,
                 "revision": args.revision,
                 "dtype": args.dtype,
+                "cpu_kernels": args.cpu_kernels,
                 "kv_cache_memory_gb": args.kv_cache_memory_gb,
                 "tensor_parallel_size": args.tensor_parallel_size,
             },
@@ -171,6 +179,7 @@ def _generate(args: argparse.Namespace) -> int:
         llm = LLM(
             args.model,
             dtype=args.dtype,
+            cpu_kernels=args.cpu_kernels,
             revision=args.revision,
             tensor_parallel_size=args.tensor_parallel_size,
         )
@@ -375,6 +384,7 @@ class _Server:
                 + [k.strip() for k in os.environ.get("KVSERVE_API_KEYS", "").split(",") if k.strip()],
                 engine_args={
                     "dtype": args.dtype,
+                    "cpu_kernels": args.cpu_kernels,
                     "kv_cache_memory_gb": args.kv_cache_memory_gb,
                     "cpu_cores": _cpu_cores(args.cpu_cores, args.replicas),
                     "tensor_parallel_size": args.tensor_parallel_size,

@@ -6,6 +6,7 @@ from dataclasses import dataclass, fields
 SCHEDULING_POLICIES = ("fcfs", "priority", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flash_attn")
+CPU_KERNEL_CHOICES = ("auto", "gemm.c", "onednn", "torch")
 
 
 @dataclass
@@ -49,6 +50,11 @@ class EngineConfig:
     # (bursts of prefill), which use every core. None: no pinning, one thread (Ray's
     # default for an actor without CPUs). Ignored on GPUs and by the offline LLM.
     cpu_cores: str | list[int] | None = None
+    # On CPU, which kernel multiplies each linear at each row count, and whether SDPA or
+    # the C kernel attends fresh prefills. "auto": whichever measured fastest on this
+    # machine (replica/cpu/kernel_choice.py; timings cached in ~/.cache/kvserve/kernels).
+    # "gemm.c", "onednn" or "torch" force one, for A/B runs.
+    cpu_kernels: str = "auto"
 
     def __post_init__(self) -> None:
         positive = (
@@ -79,6 +85,8 @@ class EngineConfig:
             cores = self.cpu_cores
             if not (isinstance(cores, list) and cores and all(isinstance(c, int) and c >= 0 for c in cores)):
                 raise ValueError(f'cpu_cores must be "auto" or a list of core numbers, got {cores!r}')
+        if self.cpu_kernels not in CPU_KERNEL_CHOICES:
+            raise ValueError(f"cpu_kernels must be one of {CPU_KERNEL_CHOICES}, got {self.cpu_kernels!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
 

@@ -34,6 +34,7 @@ from replica.attention.select import CPU_KERNELS, cpu_kernels_built, triton_inte
 from replica.config import EngineConfig
 from replica.cpu.affinity import CorePlan
 from replica.cpu.decoder import optimize_for_cpu
+from replica.cpu.kernel_choice import KernelChooser
 from replica.cuda_graphs import DecodeGraphRunner
 from replica.model_loader import ModelNotFoundError
 from replica.parallel.group import TPGroup
@@ -132,7 +133,12 @@ class ModelRunner:
         # This rank's; shard before packing, on the host.
         kv_heads = num_kv_heads(hf) if group is None else shard_model(self.model, group).num_kv
         self.model.to(self.device).eval()
-        fused = optimize_for_cpu(self.model) if name == CPU_KERNELS else None
+        fused = None
+        if name == CPU_KERNELS:
+            chooser = KernelChooser(config.cpu_kernels, max_rows=config.max_num_batched_tokens)
+            fused = optimize_for_cpu(self.model, chooser, self.block_size, max_logit_rows=config.max_num_seqs)
+            chooser.save()
+            logger.info(chooser.describe())
         # (input_ids [1, T], position_ids [1, T], rows) -> final hidden states [1, T, E] of
         # the packed rows `rows` ([R] indices; None: every row), [1, R, E]
         self.run_decoder = fused or _transformers_decoder(self.model.get_decoder())

@@ -3,6 +3,12 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import tempfile  # noqa: E402
+
+# The CPU kernel timings of this test session (the models here are mostly tiny random
+# ones), apart from the user's cache; Ray's workers inherit it.
+os.environ.setdefault("KVSERVE_KERNEL_CACHE", tempfile.mkdtemp(prefix="kvserve-kernels-"))
+
 import importlib.util  # noqa: E402
 import time  # noqa: E402
 

@@ -11,7 +11,8 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_
 
 from replica.attention import build_metadata
 from replica.attention.torch_backend import kv_cache_shape
-from replica.cpu import build, ops
+from replica.cpu import build, linear_kernels, ops
+from replica.cpu.kernel_choice import LinearChoice
 from replica.cpu.layers import PackedLinear
 
 pytestmark = pytest.mark.skipif(
@@ -24,7 +25,7 @@ TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
 
 @pytest.fixture(params=[False, True], ids=["fresh-by-kernel", "fresh-by-sdpa"])
 def fresh_prefills_by_sdpa(request, monkeypatch):
-    """Both ways a fresh prefill is attended, whichever one this CPU picks by default."""
+    """Both ways a fresh prefill is attended, whichever one measured faster here."""
     monkeypatch.setattr(ops, "FRESH_PREFILLS_BY_SDPA", request.param)
 
 
@@ -201,18 +202,39 @@ def test_sample_never_picks_a_token_without_probability():
         assert set(ops.sample(logits, torch.ones(4000), draws).tolist()) <= {3, 50, 99}
 
 
+def _forced(kernel: str, dtype: torch.dtype) -> LinearChoice:
+    if not linear_kernels.can_run(kernel, dtype, 64):
+        pytest.skip(f"{kernel} cannot run {dtype} on this CPU")
+    return LinearChoice.forced(kernel)
+
+
+# Each kernel forced, and a choice that switches kernels between row buckets.
+CHOICES = [*linear_kernels.LINEAR_KERNELS, "by rows"]
+
+
+def _choice(name: str, dtype: torch.dtype) -> LinearChoice:
+    if name != "by rows":
+        return _forced(name, dtype)
+    runnable = [k for k in linear_kernels.LINEAR_KERNELS if linear_kernels.can_run(k, dtype, 64)]
+    return LinearChoice((1, 8, 32, 128), tuple(runnable[i % len(runnable)] for i in range(4)))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_linear(dtype, bias):
-    """Whichever kernel packs it here (gemm.c's on AVX512-BF16 CPUs for bf16, else
-    oneDNN): widths that are not whole panels, and rows that are not whole tiles or
-    chunks of them."""
+@pytest.mark.parametrize("kernel", CHOICES)
+def test_packed_linear_matches_linear(dtype, bias, kernel):
+    """Every kernel that can run here, and a choice that changes kernel with the row
+    count: widths that are not whole panels, and rows that are not whole tiles or chunks
+    of them."""
     torch.manual_seed(0)
     first, second = (
         torch.nn.Linear(64, 40, bias=bias).to(dtype),
         torch.nn.Linear(64, 16, bias=False).to(dtype),
     )
-    fused = PackedLinear.concat([first, second])
+    weight = torch.cat([first.weight, second.weight])
+    bias_ = torch.cat([first.bias, torch.zeros(16, dtype=dtype)]) if bias else None
+    fused = PackedLinear(weight, bias_, _choice(kernel, dtype))
+    assert set(fused.layouts) == fused.choice.used()  # no layout for a kernel that never runs
     for rows in (1, 7, 13, 130, 500):
         x = torch.randn(rows, 64).to(dtype)
         expected = torch.cat([first(x), second(x)], dim=-1)
@@ -223,11 +245,15 @@ def test_packed_linear_matches_linear(dtype, bias):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("width", [40, 96])
-def test_gated_linear_matches_silu_mlp(dtype, bias, width):
-    """PackedLinear.gated against transformers' MLP expression act_fn(gate(x)) * up(x)."""
+@pytest.mark.parametrize("kernel", CHOICES)
+def test_gated_linear_matches_silu_mlp(dtype, bias, width, kernel):
+    """A gated PackedLinear against transformers' MLP expression act_fn(gate(x)) * up(x)."""
     torch.manual_seed(1)
     gate, up = (torch.nn.Linear(128, width, bias=bias).to(dtype) for _ in range(2))
-    gated = PackedLinear.gated(gate, up)
+    weight = torch.cat([gate.weight, up.weight])
+    gated = PackedLinear(
+        weight, torch.cat([gate.bias, up.bias]) if bias else None, _choice(kernel, dtype), gated=True
+    )
     for rows in (1, 5, 12, 400):
         x = torch.randn(rows, 128).to(dtype)
         expected = torch.nn.functional.silu(gate(x)) * up(x)
@@ -245,13 +271,11 @@ def test_own_bf16_gemm_rounds_like_onednn():
     assert ops.bf16_gemm_available()
     for n, k in ((960, 576), (576, 1536)):
         weight = torch.randn(n, k).bfloat16() * 0.05
-        ours = PackedLinear(weight, None)
-        assert ours.own_kernel
-        onednn = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
+        ours = PackedLinear(weight, None, LinearChoice.forced(linear_kernels.GEMM_C))
+        onednn = PackedLinear(weight, None, LinearChoice.forced(linear_kernels.ONEDNN))
         for rows in (1, 64, 777):
             x = torch.randn(rows, k).bfloat16()
-            got = ours(x)
-            expected = torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], "")
+            got, expected = ours(x), onednn(x)
             assert (got == expected).float().mean() > 0.99
             torch.testing.assert_close(got, expected, atol=1e-3, rtol=2**-7)
 

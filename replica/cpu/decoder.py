@@ -15,6 +15,8 @@ fewer shortcuts.
 import torch
 from torch import nn
 
+from replica.cpu import ops
+from replica.cpu.kernel_choice import KernelChooser
 from replica.cpu.layers import PackedLinear, RMSNorm, RotaryPagedAttention, SiluMLP
 from replica.cpu.native_decoder import NativeDecoder
 
@@ -29,17 +31,20 @@ PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class FusedDecoder(nn.Module):
-    def __init__(self, decoder: nn.Module):
+    def __init__(self, decoder: nn.Module, chooser: KernelChooser):
         super().__init__()
         self.embed_tokens = decoder.embed_tokens
         self.rotary_emb = decoder.rotary_emb
         self.input_norms = nn.ModuleList(RMSNorm(layer.input_layernorm) for layer in decoder.layers)
-        self.attentions = nn.ModuleList(RotaryPagedAttention(layer.self_attn) for layer in decoder.layers)
+        self.attentions = nn.ModuleList(
+            RotaryPagedAttention(layer.self_attn, chooser) for layer in decoder.layers
+        )
         self.post_norms = nn.ModuleList(RMSNorm(layer.post_attention_layernorm) for layer in decoder.layers)
-        self.mlps = nn.ModuleList(SiluMLP(layer.mlp) for layer in decoder.layers)
+        self.mlps = nn.ModuleList(SiluMLP(layer.mlp, chooser) for layer in decoder.layers)
         self.norm = RMSNorm(decoder.norm)
-        # decoder.c's loop over the same kernels, where it covers this model (bf16 on
-        # AVX512-BF16 CPUs): the same result without Python between the kernels.
+        # decoder.c's loop over the same kernels, where it covers this model (bf16, with
+        # gemm.c's kernel chosen for some row counts): the same result without Python
+        # between the kernels, in the steps whose every linear runs gemm.c.
         self.native = NativeDecoder(self) if NativeDecoder.supports(self) else None
 
     @staticmethod
@@ -84,18 +89,34 @@ class FusedDecoder(nn.Module):
         return final[None]
 
 
-def optimize_for_cpu(model: nn.Module) -> FusedDecoder | None:
-    """Swap the stand-ins into `model` in place. Returns the FusedDecoder that replaced
+def optimize_for_cpu(
+    model: nn.Module, chooser: KernelChooser, block_size: int, max_logit_rows: int
+) -> FusedDecoder | None:
+    """Swap the stand-ins into `model` in place, each linear with the kernels `chooser`
+    picks, and pick how fresh prefills are attended. Returns the FusedDecoder that replaced
     its decoder, or None where transformers' decoder stays (with stand-ins inside).
-    Packing needs fp32 or bf16 weights; other dtypes keep transformers' modules."""
+    Packing needs fp32 or bf16 weights; other dtypes keep transformers' modules.
+    max_logit_rows: the most rows the output projection sees in a step."""
     if model.dtype not in PACKABLE_DTYPES:
         return None
     decoder, prefix = model.get_decoder(), model.base_model_prefix
     fused = None
     if FusedDecoder.supports(decoder) and getattr(model, prefix, None) is decoder:
-        fused = FusedDecoder(decoder)
+        fused = FusedDecoder(decoder, chooser)
         setattr(model, prefix, fused)  # drops transformers' layers and their unpacked weights
-    _swap_children(model)
+    output = model.get_output_embeddings()
+    if isinstance(output, nn.Linear):
+        model.set_output_embeddings(PackedLinear.of(output, chooser, max_logit_rows))
+    _swap_children(model, chooser)
+    attention = next((m for m in model.modules() if isinstance(m, RotaryPagedAttention)), None)
+    if attention is not None:  # its heads, not the config's: a tensor-parallel rank holds some
+        heads = attention.num_heads, attention.num_kv_heads, attention.head_dim
+    else:
+        config = model.config
+        num_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        heads = num_heads, getattr(config, "num_key_value_heads", None) or num_heads, head_dim
+    ops.FRESH_PREFILLS_BY_SDPA = chooser.fresh_prefills_by_sdpa(*heads, block_size, model.dtype)
     return fused
 
 
@@ -103,23 +124,23 @@ def _is_silu_mlp(module: nn.Module) -> bool:
     return type(module).__name__ in SILU_MLPS and type(module.act_fn).__name__ in SILU_ACTIVATIONS
 
 
-def _swap_children(module: nn.Module) -> None:
+def _swap_children(module: nn.Module, chooser: KernelChooser) -> None:
     for name, child in module.named_children():
-        replacement = _replacement(child)
+        replacement = _replacement(child, chooser)
         if replacement is None:
-            _swap_children(child)
+            _swap_children(child, chooser)
         else:
             setattr(module, name, replacement)
 
 
-def _replacement(module: nn.Module) -> nn.Module | None:
+def _replacement(module: nn.Module, chooser: KernelChooser) -> nn.Module | None:
     kind = type(module).__name__
     if kind in ROTARY_ATTENTIONS:
-        return RotaryPagedAttention(module)
+        return RotaryPagedAttention(module, chooser)
     if _is_silu_mlp(module):
-        return SiluMLP(module)
+        return SiluMLP(module, chooser)
     if kind in RMS_NORMS:
         return RMSNorm(module)
     if isinstance(module, nn.Linear):
-        return PackedLinear.of(module)
+        return PackedLinear.of(module, chooser)
     return None

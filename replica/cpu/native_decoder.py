@@ -1,11 +1,13 @@
 """decoder.c's whole-step loop for FusedDecoder: ctypes mirrors of its structs, the
 layers' weight pointers gathered once, and the KV cache's once per cache.
 
-It runs where every linear is packed for gemm.c's bf16 kernel and the layers have no
+It runs where every linear has a layout for gemm.c's bf16 kernel and the layers have no
 parts it lacks (tensor-parallel reductions, Qwen3's q/k norms), and only in steps whose
-attention the C kernel does entirely (not fresh prefills that go to SDPA on AMX CPUs).
-Anywhere else FusedDecoder's Python loop runs the same kernels."""
+every linear chose gemm.c at the step's row count and whose attention the C kernel does
+entirely (not fresh prefills that SDPA attends where it measured faster). Anywhere else
+FusedDecoder's Python loop runs the kernels chosen for the step."""
 
+import bisect
 import ctypes
 
 import torch
@@ -13,6 +15,8 @@ import torch
 from replica.attention.context import get_forward_context
 from replica.cpu import ops
 from replica.cpu.build import load_library
+from replica.cpu.kernel_choice import ROW_BUCKETS
+from replica.cpu.linear_kernels import GEMM_C
 
 _ptr = ctypes.c_void_p
 _WEIGHTS = ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up", "gate_up_bias",
@@ -67,38 +71,35 @@ class NativeDecoder:
             scale=attention.scaling,
             final_norm=fused.norm.weight.data_ptr(),
         )
+        self._linears = _linears(fused)
         self._weights = [
             dict(
                 input_norm=norm_in.weight,
                 post_norm=norm_post.weight,
-                qkv=attn.qkv.packed,
-                qkv_bias=attn.qkv.bias,
-                o=attn.o_proj.packed,
-                o_bias=attn.o_proj.bias,
-                gate_up=mlp.gate_up.packed,
-                gate_up_bias=mlp.gate_up.bias,
-                down=mlp.down.packed,
-                down_bias=mlp.down.bias,
+                **_packed("qkv", attn.qkv),
+                **_packed("o", attn.o_proj),
+                **_packed("gate_up", mlp.gate_up),
+                **_packed("down", mlp.down),
             )  # fmt: skip
             for norm_in, attn, norm_post, mlp in zip(
                 fused.input_norms, fused.attentions, fused.post_norms, fused.mlps, strict=True
             )
         ]
         self._layers, self._caches_seen = None, None
+        self._all_gemm_c: dict[int, bool] = {}  # row bucket -> every linear runs gemm.c there
         self._scratch = torch.empty(0, dtype=torch.bfloat16)
         self._lib = load_library()
         _declare(self._lib)
 
     @staticmethod
     def supports(fused) -> bool:
-        linears = [m for a in fused.attentions for m in (a.qkv, a.o_proj)]
-        linears += [m for mlp in fused.mlps for m in (mlp.gate_up, mlp.down)]
+        linears = _linears(fused)
         norms = [*fused.input_norms, *fused.post_norms, fused.norm]
         if not fused.attentions:
             return False
         first = fused.attentions[0]
         return (
-            all(m.own_kernel and m.group is None for m in linears)
+            all(m.layout(GEMM_C) is not None and m.group is None for m in linears)
             and all(a.q_norm is None and a.k_norm is None for a in fused.attentions)
             and all(n.weight.dtype == torch.bfloat16 and n.eps == fused.norm.eps for n in norms)
             and all(
@@ -112,7 +113,9 @@ class NativeDecoder:
         self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor | None
     ):
         """residual [T, E] (the embeddings; overwritten) -> final hidden states [R, E], or
-        None where this step's attention needs the Python loop."""
+        None where this step's linears or attention need the Python loop."""
+        if not self._runs_gemm_c(residual.shape[0]):
+            return None
         ctx = get_forward_context()
         kernel_args, fresh_runs = ops.step_arguments(ctx.metadata)
         if fresh_runs:
@@ -132,6 +135,12 @@ class NativeDecoder:
         )  # fmt: skip
         return out
 
+    def _runs_gemm_c(self, rows: int) -> bool:
+        bucket = bisect.bisect_left(ROW_BUCKETS, rows)
+        if bucket not in self._all_gemm_c:
+            self._all_gemm_c[bucket] = all(m.choice.kernel_for(rows) == GEMM_C for m in self._linears)
+        return self._all_gemm_c[bucket]
+
     def _bind(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> _Shape:
         """The layers' struct array with this KV cache, rebuilt when the cache changes."""
         caches = tuple((k.data_ptr(), v.data_ptr()) for k, v in kv_caches)
@@ -148,3 +157,13 @@ class NativeDecoder:
             )
             self._caches_seen, self.block_size = caches, kv_caches[0][0].shape[2]
         return _Shape(**self._shape_args, block_size=self.block_size)
+
+
+def _linears(fused) -> list:
+    linears = [m for a in fused.attentions for m in (a.qkv, a.o_proj)]
+    return linears + [m for mlp in fused.mlps for m in (mlp.gate_up, mlp.down)]
+
+
+def _packed(name: str, linear) -> dict:
+    weight, bias = linear.layout(GEMM_C)
+    return {name: weight, f"{name}_bias": bias}

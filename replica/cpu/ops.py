@@ -11,12 +11,10 @@ from replica.attention.metadata import AttentionMetadata
 from replica.cpu.build import load_library
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
-# Fresh prefills need no cache reads. On CPUs with AMX, SDPA's tiled kernel runs them on
-# the matrix units, which the C kernel's vector loops cannot match (a 16 x 128-token
-# prefill step on one core: ~700 -> ~600 ms). Without AMX its kernel is the slower one:
-# on an AVX512-BF16 EPYC the same step took 1.29 s through SDPA and 1.07 s through the C
-# kernel, whose attention costs about 40 ms of it against SDPA's 250 (one-off runs).
-FRESH_PREFILLS_BY_SDPA = torch.cpu._is_amx_tile_supported()
+# Whether torch's SDPA, rather than the C kernel, attends fresh prefills (nothing cached
+# before them): SDPA's tiled kernel wins on some CPUs (those with AMX) and loses on others,
+# so the model load sets it from a measurement on this machine (kernel_choice.py).
+FRESH_PREFILLS_BY_SDPA = False
 
 
 def _is_bf16(t: torch.Tensor) -> int:
@@ -144,8 +142,8 @@ def paged_attention(
     attend every query row causally over its sequence's cache. Returns [T, H, D].
 
     Decode rows and chunks after cached tokens go through the C kernel. So do fresh
-    prefills (nothing cached before them), except on CPUs with AMX, where torch's SDPA
-    attends them from q, k and v directly (FRESH_PREFILLS_BY_SDPA).
+    prefills (nothing cached before them), unless torch's SDPA measured faster at them on
+    this machine: then it attends them from q, k and v directly (FRESH_PREFILLS_BY_SDPA).
 
     Called once per layer per step, so it checks only what a layer could get wrong; the
     step's metadata becomes kernel arguments once, on the first layer."""

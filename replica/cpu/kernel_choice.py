@@ -1,0 +1,265 @@
+"""Which CPU kernel runs where, chosen by timing the candidates on this machine.
+
+A CPU flag does not predict the winner: gemm.c's AVX512-BF16 kernel and oneDNN trade
+places between CPUs, and on CPUs with AMX oneDNN's matrix units win by a wide margin. So at
+model load every distinct linear (shape, dtype, gated or not) is timed with each kernel
+that can run it (linear_kernels.py) at each row bucket a step can produce, and the fastest
+per bucket is kept; fresh prefills are timed through the C attention kernel and through
+SDPA. Timings are cached per machine (machine.py's fingerprint: CPU model, ISA flags,
+threads, torch and oneDNN versions) in ~/.cache/kvserve/kernels/timings_*.json (beside the
+compiled kernels; $KVSERVE_KERNEL_CACHE moves them), so a second start on the same
+machine measures nothing.
+
+`cpu_kernels` forces a choice for A/B runs: "gemm.c" (kvserve's own kernels everywhere
+they can run, the C attention kernel for fresh prefills), "onednn" or "torch" (that
+library kernel for every linear, SDPA for fresh prefills)."""
+
+import bisect
+import hashlib
+import itertools
+import json
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from replica.cpu import linear_kernels, ops
+from replica.cpu.machine import fingerprint
+from replica.model_loader import cache_root
+
+logger = logging.getLogger(__name__)
+
+# Row counts a step's linears see: a decode batch's sequences up to the token budget.
+ROW_BUCKETS = (1, 8, 32, 128, 512, 2048)
+# Fresh-prefill attention is timed on this many chunks of FRESH_CHUNK rows.
+FRESH_CHUNKS, FRESH_CHUNK = 4, 128
+STREAMED_BYTES = 48 << 20  # weight copies cycled through so each call reads from memory
+MIN_TIMED_S = 0.002  # a timing repeats one call until this much time has passed
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    out_features: int  # of the whole weight (a gated one: gate and up rows)
+    in_features: int
+    dtype: torch.dtype
+    gated: bool = False
+
+    def key(self) -> str:
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"linear {dtype} {self.out_features}x{self.in_features}{' gated' if self.gated else ''}"
+
+
+@dataclass(frozen=True)
+class LinearChoice:
+    """kernels[i] runs steps of up to buckets[i] rows; larger steps run the last one."""
+
+    buckets: tuple[int, ...]
+    kernels: tuple[str, ...]
+
+    def kernel_for(self, rows: int) -> str:
+        return self.kernels[min(bisect.bisect_left(self.buckets, rows), len(self.kernels) - 1)]
+
+    def used(self) -> set[str]:
+        return set(self.kernels)
+
+    def describe(self) -> str:
+        """e.g. 'gemm.c at <=32 rows, onednn above'."""
+        runs: list[tuple[str, int]] = []  # (kernel, last bucket it wins)
+        for bucket, kernel in zip(self.buckets, self.kernels, strict=True):
+            if runs and runs[-1][0] == kernel:
+                runs[-1] = (kernel, bucket)
+            else:
+                runs.append((kernel, bucket))
+        if len(runs) == 1:
+            return runs[0][0]
+        parts = [f"{kernel} at <={last} rows" for kernel, last in runs[:-1]]
+        return ", ".join([*parts, f"{runs[-1][0]} above"])
+
+    @classmethod
+    def forced(cls, kernel: str) -> "LinearChoice":
+        return cls((ROW_BUCKETS[-1],), (kernel,))
+
+
+def buckets_up_to(max_rows: int) -> tuple[int, ...]:
+    """The row buckets a step of at most max_rows rows can fall in."""
+    end = bisect.bisect_left(ROW_BUCKETS, max_rows) + 1
+    return ROW_BUCKETS[:end]
+
+
+def fastest(buckets: tuple[int, ...], seconds: dict[str, list[float]]) -> LinearChoice:
+    """The fastest kernel per bucket; seconds[kernel][i] is its time at buckets[i]."""
+    kernels = tuple(min(seconds, key=lambda kernel: seconds[kernel][i]) for i in range(len(buckets)))
+    return LinearChoice(buckets, kernels)
+
+
+def _time_call(call) -> float:
+    """Seconds per call: the best of three rounds, each of repeated calls over at least
+    MIN_TIMED_S (after one untimed call)."""
+    call()
+    best = float("inf")
+    for _ in range(3):
+        calls, start = 0, time.perf_counter()
+        while True:
+            call()
+            calls += 1
+            elapsed = time.perf_counter() - start
+            if elapsed >= MIN_TIMED_S:
+                break
+        best = min(best, elapsed / calls)
+    return best
+
+
+def time_linear(kernel: str, shape: LinearShape, buckets: tuple[int, ...]) -> list[float]:
+    """Seconds per call of `kernel` on a random weight of `shape` at each bucket's rows,
+    cycling through copies of the weight so that each call reads it from memory, as a
+    step reads each layer's weights once."""
+    g = torch.Generator().manual_seed(0)
+    weight = (torch.randn(shape.out_features, shape.in_features, generator=g) * 0.02).to(shape.dtype)
+    weight_bytes = weight.numel() * weight.element_size()
+    copies = max(1, min(16, STREAMED_BYTES // weight_bytes))
+    packed = [linear_kernels.pack(kernel, weight.clone(), None, shape.gated) for _ in range(copies)]
+    out_features = shape.out_features // (2 if shape.gated else 1)
+    layouts, times = itertools.cycle(packed), []
+    for rows in buckets:
+        x = torch.randn(rows, shape.in_features, generator=g).to(shape.dtype)
+
+        def call(x=x) -> None:
+            w, b = next(layouts)
+            linear_kernels.run(kernel, x, w, b, out_features, shape.gated)
+
+        times.append(_time_call(call))
+    return times
+
+
+def time_fresh_prefill(
+    by_sdpa: bool, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
+) -> float:
+    """Seconds for one layer's attention over FRESH_CHUNKS fresh prefills of FRESH_CHUNK
+    rows (rotary, KV write and attention), through SDPA or the C kernel."""
+    from replica.attention.metadata import build_metadata
+
+    g = torch.Generator().manual_seed(0)
+    blocks_per_seq = -(-FRESH_CHUNK // block_size)
+    cache_shape = (FRESH_CHUNKS * blocks_per_seq, num_kv_heads, block_size, head_dim)
+    k_cache, v_cache = torch.zeros(cache_shape, dtype=dtype), torch.zeros(cache_shape, dtype=dtype)
+    tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(FRESH_CHUNKS)]
+    rows = FRESH_CHUNKS * FRESH_CHUNK
+    q = torch.randn(rows, num_heads, head_dim, generator=g).to(dtype)
+    k, v = (torch.randn(rows, num_kv_heads, head_dim, generator=g).to(dtype) for _ in range(2))
+    angles = torch.arange(FRESH_CHUNK).repeat(FRESH_CHUNKS)[:, None] * torch.rand(head_dim, generator=g)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    lens = [FRESH_CHUNK] * FRESH_CHUNKS
+
+    def call() -> None:
+        meta = build_metadata(tables, lens, lens, block_size, torch.device("cpu"))
+        ops.paged_attention(q, k, v, k_cache, v_cache, meta, head_dim**-0.5, cos, sin)
+
+    saved = ops.FRESH_PREFILLS_BY_SDPA
+    ops.FRESH_PREFILLS_BY_SDPA = by_sdpa
+    try:
+        return _time_call(call)
+    finally:
+        ops.FRESH_PREFILLS_BY_SDPA = saved
+
+
+class KernelChooser:
+    """Measures (or reads from the cache) and remembers what it chose, for the start-up
+    log line. One per model load; `save` writes new timings back to the cache."""
+
+    def __init__(self, forced: str = "auto", max_rows: int = ROW_BUCKETS[-1], cache_dir: Path | None = None):
+        """max_rows: the most rows a step gives a linear (the token budget)."""
+        if forced not in ("auto", *linear_kernels.LINEAR_KERNELS):
+            raise ValueError(
+                f"cpu_kernels must be auto or one of {linear_kernels.LINEAR_KERNELS}, got {forced!r}"
+            )
+        self.forced, self.max_rows = forced, max_rows
+        self.machine = fingerprint()
+        key = hashlib.sha256(json.dumps(self.machine, sort_keys=True).encode()).hexdigest()[:16]
+        cache_dir = cache_dir or Path(os.environ.get("KVSERVE_KERNEL_CACHE") or cache_root() / "kernels")
+        self.cache_path = cache_dir / f"timings_{key}.json"
+        self.timings: dict[str, dict[str, list[float]]] = self._read_cache()
+        self.measured: set[str] = set()
+        self.chosen: dict[str, str] = {}  # what was chosen where, for the log line
+
+    def linear(self, shape: LinearShape, max_rows: int | None = None) -> LinearChoice:
+        """The kernel per row bucket for a linear of `shape` in steps of up to max_rows
+        (default: the chooser's)."""
+        runnable = [
+            k
+            for k in linear_kernels.LINEAR_KERNELS
+            if linear_kernels.can_run(k, shape.dtype, shape.in_features)
+        ]
+        if self.forced != "auto":
+            if self.forced not in runnable:
+                raise ValueError(
+                    f"cpu_kernels={self.forced!r} cannot run a {shape.key()} here "
+                    f"(this CPU and dtype can run: {', '.join(runnable)})"
+                )
+            choice = LinearChoice.forced(self.forced)
+        else:
+            buckets = buckets_up_to(max_rows or self.max_rows)
+            seconds = {
+                kernel: self._timed(shape.key(), kernel, buckets, time_linear, kernel, shape, buckets)
+                for kernel in runnable
+            }
+            choice = fastest(buckets, seconds)
+        self.chosen[shape.key().removeprefix("linear ")] = choice.describe()
+        return choice
+
+    def fresh_prefills_by_sdpa(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
+    ) -> bool:
+        """Whether SDPA, not the C kernel, attends prefills with nothing cached before them."""
+        if self.forced != "auto":
+            by_sdpa = self.forced != linear_kernels.GEMM_C
+        else:
+            dtype_name = str(dtype).removeprefix("torch.")
+            key = f"fresh prefill {dtype_name} {num_heads}/{num_kv_heads}x{head_dim} block {block_size}"
+            args = (num_heads, num_kv_heads, head_dim, block_size, dtype)
+            bucket = (FRESH_CHUNKS * FRESH_CHUNK,)
+            c_kernel = self._timed(key, "c", bucket, lambda *_: [time_fresh_prefill(False, *args)])
+            sdpa = self._timed(key, "sdpa", bucket, lambda *_: [time_fresh_prefill(True, *args)])
+            by_sdpa = sdpa[0] < c_kernel[0]
+        self.chosen["fresh prefill attention"] = "sdpa" if by_sdpa else "c kernel"
+        return by_sdpa
+
+    def describe(self) -> str:
+        how = f"forced {self.forced}" if self.forced != "auto" else "measured" if self.measured else "cached"
+        return f"cpu kernels ({how}): " + "; ".join(f"{where}: {what}" for where, what in self.chosen.items())
+
+    def save(self) -> None:
+        """Writes the timings measured in this load to the cache (atomically: replicas on
+        one machine may load at once)."""
+        if not self.measured:
+            return
+        try:
+            self.cache_path.parent.mkdir(parents=True, exist_ok=True)
+            latest = self._read_cache()
+            latest.update({key: self.timings[key] for key in self.measured})
+            with tempfile.NamedTemporaryFile("w", dir=self.cache_path.parent, delete=False) as f:
+                json.dump({"machine": self.machine, "timings": latest}, f, indent=1)
+            os.replace(f.name, self.cache_path)
+        except OSError as e:  # a read-only home is no reason to fail a load
+            logger.warning("cannot cache kernel timings in %s: %s", self.cache_path, e)
+
+    def _timed(self, key: str, kernel: str, buckets: tuple[int, ...], measure, *args) -> list[float]:
+        """Seconds at each bucket of `key` with `kernel`: cached, or measured now."""
+        entry = self.timings.setdefault(key, {})
+        cached = entry.get(kernel, {})
+        if all(str(b) in cached for b in buckets):
+            return [cached[str(b)] for b in buckets]
+        measured = measure(*args)
+        entry[kernel] = {**cached, **{str(b): s for b, s in zip(buckets, measured, strict=True)}}
+        self.measured.add(key)
+        return measured
+
+    def _read_cache(self) -> dict:
+        try:
+            saved = json.loads(self.cache_path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return saved.get("timings", {}) if saved.get("machine") == self.machine else {}

@@ -1,0 +1,60 @@
+"""The kernels that can multiply a linear layer on CPU, each with the weight layout it
+reads: gemm.c's own bf16 kernel (AVX512-BF16 CPUs; a gated MLP projection's silu(gate) * up
+fused into its epilogue), oneDNN with the weight reordered once into its blocked layout
+(what inductor's weight freezing does; AMX or AVX512 underneath), and plain F.linear.
+Which one runs at which row count is measured on the machine (kernel_choice.py)."""
+
+import torch
+from torch.nn import functional as F
+
+from replica.cpu import ops
+
+GEMM_C, ONEDNN, TORCH = "gemm.c", "onednn", "torch"
+LINEAR_KERNELS = (GEMM_C, ONEDNN, TORCH)
+
+
+def can_run(kernel: str, dtype: torch.dtype, in_features: int) -> bool:
+    if kernel == GEMM_C:
+        return dtype == torch.bfloat16 and in_features % 2 == 0 and ops.bf16_gemm_available()
+    if kernel == ONEDNN:
+        # oneDNN reorders bf16 weights only on CPUs with AVX512 (BW, VL, DQ) or AVX-NE-CONVERT.
+        return dtype == torch.float32 or (
+            dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        )
+    return kernel == TORCH
+
+
+def pack(
+    kernel: str, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, bias) laid out for `kernel`. gated: the rows are the gate's, then the up
+    projection's."""
+    weight = weight.detach()
+    bias = None if bias is None else bias.detach().contiguous()
+    if kernel == GEMM_C:
+        if gated:  # gemm.c's panels pair each 16 gate rows with their up rows
+            weight = ops.interleave_gate_up(*weight.chunk(2))
+            bias = None if bias is None else ops.interleave_gate_up(*bias.chunk(2))
+        return ops.pack_bf16_weight(weight), bias
+    if kernel == ONEDNN:
+        # The reorder takes a batch-size hint; decode batches are what runs most often.
+        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 64), bias
+    return weight.contiguous(), bias
+
+
+def run(
+    kernel: str,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,
+    gated: bool,
+) -> torch.Tensor:
+    """x [rows, in] -> [rows, out_features]; for a gated weight, silu(gate) * up."""
+    if kernel == GEMM_C:
+        return ops.gemm_bf16(x, weight, bias, out_features, gated)
+    if kernel == ONEDNN:
+        y = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    else:
+        y = F.linear(x, weight, bias)
+    return ops.silu_mul(y) if gated else y

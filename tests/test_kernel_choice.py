@@ -1,0 +1,164 @@
+"""The CPU kernel selector (replica/cpu/kernel_choice.py): the fastest kernel per row
+bucket from injected timings, dispatch on the step's row count with real kernels, the
+per-machine timing cache, forced choices, and the engine's output with each kernel forced
+against HF `generate`."""
+
+import json
+
+import pytest
+import torch
+from conftest import hf_greedy
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from replica import LLM, SamplingParams
+from replica.config import EngineConfig
+from replica.cpu import build, kernel_choice, linear_kernels
+from replica.cpu.kernel_choice import KernelChooser, LinearChoice, LinearShape, buckets_up_to, fastest
+from replica.cpu.layers import PackedLinear
+
+pytestmark = pytest.mark.skipif(
+    build.compiler() is None, reason="no C compiler: the CPU kernels cannot be built"
+)
+RUNNABLE_FP32 = [k for k in linear_kernels.LINEAR_KERNELS if linear_kernels.can_run(k, torch.float32, 64)]
+
+
+def test_fastest_kernel_per_bucket():
+    buckets = (1, 8, 32, 128)
+    seconds = {"gemm.c": [1.0, 2.0, 5.0, 9.0], "onednn": [2.0, 3.0, 4.0, 8.0], "torch": [3.0, 1.5, 6.0, 10.0]}
+    choice = fastest(buckets, seconds)
+    assert choice.kernels == ("gemm.c", "torch", "onednn", "onednn")
+    assert [choice.kernel_for(r) for r in (1, 2, 8, 9, 32, 33, 128, 129, 4096)] == [
+        "gemm.c", "torch", "torch", "onednn", "onednn", "onednn", "onednn", "onednn", "onednn",
+    ]  # fmt: skip
+    assert choice.describe() == "gemm.c at <=1 rows, torch at <=8 rows, onednn above"
+    assert choice.used() == {"gemm.c", "torch", "onednn"}
+    assert LinearChoice.forced("onednn").describe() == "onednn"
+
+
+def test_buckets_cover_the_largest_step():
+    assert buckets_up_to(1) == (1,)
+    assert buckets_up_to(96) == (1, 8, 32, 128)
+    assert buckets_up_to(128) == (1, 8, 32, 128)
+    assert buckets_up_to(100_000) == kernel_choice.ROW_BUCKETS
+
+
+def _scripted(monkeypatch, seconds: dict[str, list[float]]) -> list:
+    """time_linear answers from `seconds` (one entry per bucket) and logs its calls."""
+    calls = []
+
+    def time_linear(kernel, shape, buckets):
+        calls.append((kernel, shape, buckets))
+        return seconds[kernel][: len(buckets)]
+
+    monkeypatch.setattr(kernel_choice, "time_linear", time_linear)
+    return calls
+
+
+@pytest.mark.skipif(len(RUNNABLE_FP32) < 2, reason="needs two fp32 kernels that run here")
+def test_injected_timings_decide_dispatch_and_layouts(monkeypatch, tmp_path):
+    """Timings that make one kernel win small steps and another large ones: the packed
+    linear keeps exactly those two layouts and runs each at its rows, with the right
+    result."""
+    small, large = RUNNABLE_FP32[:2]
+    others = {k: [9.0] * 6 for k in RUNNABLE_FP32[2:]}
+    _scripted(
+        monkeypatch, {small: [1.0, 1.0, 5.0, 5.0, 5.0, 5.0], large: [2.0, 2.0, 2.0, 2.0, 2.0, 2.0], **others}
+    )
+    chooser = KernelChooser(max_rows=512, cache_dir=tmp_path)
+    linear = torch.nn.Linear(64, 48)
+    packed = PackedLinear.of(linear, chooser)
+    assert packed.choice.buckets == (1, 8, 32, 128, 512)
+    assert set(packed.layouts) == {small, large}
+
+    ran = []
+    real_run = linear_kernels.run
+
+    def spy(kernel, *args):
+        ran.append(kernel)
+        return real_run(kernel, *args)
+
+    monkeypatch.setattr(linear_kernels, "run", spy)
+    for rows in (1, 8, 9, 700):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(packed(x), linear(x), atol=2e-5, rtol=2e-5)
+    assert ran == [small, small, large, large]
+    assert f"{small} at <=8 rows, {large} above" in chooser.describe()
+
+
+def test_timings_are_cached_per_machine(monkeypatch, tmp_path):
+    calls = _scripted(monkeypatch, {k: [1.0 + i] * 6 for i, k in enumerate(linear_kernels.LINEAR_KERNELS)})
+    shape = LinearShape(48, 64, torch.float32)
+    first = KernelChooser(max_rows=32, cache_dir=tmp_path)
+    chosen = first.linear(shape)
+    assert len(calls) == len(RUNNABLE_FP32)
+    assert first.describe().startswith("cpu kernels (measured)")
+    first.save()
+    saved = json.loads(next(tmp_path.glob("timings_*.json")).read_text())
+    assert saved["machine"]["cpu"] and "threads" in saved["machine"] and "onednn" in saved["machine"]
+
+    second = KernelChooser(max_rows=32, cache_dir=tmp_path)
+    assert second.linear(shape) == chosen
+    assert len(calls) == len(RUNNABLE_FP32)  # nothing measured again
+    assert second.describe().startswith("cpu kernels (cached)")
+    assert second.linear(shape, max_rows=512).buckets == (1, 8, 32, 128, 512)  # new buckets: measured
+    assert len(calls) == 2 * len(RUNNABLE_FP32)
+
+    # Another machine (here: another thread count) has its own timings.
+    fingerprint = kernel_choice.fingerprint()
+    monkeypatch.setattr(
+        kernel_choice, "fingerprint", lambda: {**fingerprint, "threads": fingerprint["threads"] + 1}
+    )
+    KernelChooser(max_rows=32, cache_dir=tmp_path).linear(shape)
+    assert len(calls) == 3 * len(RUNNABLE_FP32)
+
+
+def test_real_timings_choose_a_runnable_kernel(tmp_path):
+    chooser = KernelChooser(max_rows=8, cache_dir=tmp_path)
+    choice = chooser.linear(LinearShape(96, 64, torch.float32, gated=True))
+    assert choice.buckets == (1, 8) and choice.used() <= set(RUNNABLE_FP32)
+    by_sdpa = chooser.fresh_prefills_by_sdpa(4, 2, 16, 16, torch.float32)
+    assert chooser.describe().endswith(f"fresh prefill attention: {'sdpa' if by_sdpa else 'c kernel'}")
+    timings = chooser.timings["fresh prefill float32 4/2x16 block 16"]
+    assert set(timings) == {"c", "sdpa"} and all(s > 0 for t in timings.values() for s in t.values())
+
+
+def test_forced_choices():
+    forced = KernelChooser("torch").linear(LinearShape(48, 64, torch.float32))
+    assert forced == LinearChoice.forced("torch")
+    assert KernelChooser("onednn").fresh_prefills_by_sdpa(4, 2, 16, 16, torch.float32)
+    assert not KernelChooser("gemm.c").fresh_prefills_by_sdpa(4, 2, 16, 16, torch.float32)
+    with pytest.raises(ValueError, match="cpu_kernels='gemm.c' cannot run a linear float32 48x64 here"):
+        KernelChooser("gemm.c").linear(LinearShape(48, 64, torch.float32))
+    with pytest.raises(ValueError, match="cpu_kernels must be one of"):
+        EngineConfig(cpu_kernels="mkl")
+
+
+TINY = LlamaConfig(
+    vocab_size=49152,  # the bundled tokenizer's
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+
+
+@pytest.mark.parametrize("kernel", ["auto", *linear_kernels.LINEAR_KERNELS])
+def test_greedy_equals_hf_with_each_kernel_forced(kernel, tmp_path, tokenizer, monkeypatch):
+    """fp32, a small token budget so prompts split into chunks: every kernel gives HF's
+    tokens."""
+    if kernel != "auto" and kernel not in RUNNABLE_FP32:
+        pytest.skip(f"{kernel} cannot run float32 on this CPU")
+    monkeypatch.setenv("KVSERVE_KERNEL_CACHE", str(tmp_path / "cache"))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(TINY).eval()
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", block_size=4, max_num_batched_tokens=16, cpu_kernels=kernel)
+    prompts = [tokenizer(t).input_ids for t in ["Hello there, how are you today?", "x", "One two three four"]]
+    outputs = llm.generate(
+        prompts, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True), use_tqdm=False
+    )
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert output.outputs[0].token_ids == hf_greedy(model, prompt, 10, set())
