@@ -320,6 +320,14 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32"],
+        help="every system's; float32 on CPUs without AVX512-BF16 or AMX, where kvserve's auto dtype "
+        "is float32 "
+        "and bf16 is emulated",
+    )
     # Every system holds its cache at once: 6 of them must fit in the machine's memory.
     parser.add_argument(
         "--kv-cache-gb", type=int, default=1, help="KV cache per system (64 sequences need 0.6)"
@@ -351,7 +359,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    dtype = torch.bfloat16
+    dtype = getattr(torch, args.dtype)
     model_path = resolve_model(args.model)
     limits = dict(
         max_num_seqs=args.batch_size,
@@ -360,7 +368,7 @@ def main() -> None:
         max_model_len=args.max_model_len,
         enable_prefix_caching=False,
     )
-    engine_args = dict(dtype="bfloat16", kv_cache_memory_gb=args.kv_cache_gb, **limits)
+    engine_args = dict(dtype=args.dtype, kv_cache_memory_gb=args.kv_cache_gb, **limits)
     hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
     decoder_flops, lm_head_flops = model_flops(hf)
     cases = build_cases(args, hf.config.vocab_size)
@@ -387,7 +395,7 @@ def main() -> None:
         peers = {}
         for system in ("vllm", "vllm_tuned"):
             if system in args.systems:
-                vllm_engine = dict(dtype="bfloat16", seed=args.seed, **limits)
+                vllm_engine = dict(dtype=args.dtype, seed=args.seed, **limits)
                 tuned = system == "vllm_tuned"
                 peers[system] = VllmPeer(
                     args.vllm_python, model_path, vllm_engine, args.threads, tuned, args.kv_cache_gb
@@ -406,7 +414,7 @@ def main() -> None:
         "torch": torch.__version__,
         "vllm": next(iter(peers.values())).version if peers else None,
         "model": str(args.model or "bundled SmolLM2-135M-Instruct"),
-        "dtype": "bfloat16",
+        "dtype": args.dtype,
         "limits": {**limits, "kv_cache_gb": args.kv_cache_gb},
         "workloads": {
             "anyscale": {

@@ -39,6 +39,7 @@ ROW_BUCKETS = (1, 8, 32, 128, 512, 2048)
 FRESH_CHUNKS, FRESH_CHUNK = 4, 128
 STREAMED_BYTES = 48 << 20  # weight copies cycled through so each call reads from memory
 MIN_TIMED_S = 0.002  # a timing repeats one call until this much time has passed
+MARGIN = 0.1  # how much faster than the library's packed path another kernel must be
 
 
 @dataclass(frozen=True)
@@ -91,9 +92,16 @@ def buckets_up_to(max_rows: int) -> tuple[int, ...]:
 
 
 def fastest(buckets: tuple[int, ...], seconds: dict[str, list[float]]) -> LinearChoice:
-    """The fastest kernel per bucket; seconds[kernel][i] is its time at buckets[i]."""
-    kernels = tuple(min(seconds, key=lambda kernel: seconds[kernel][i]) for i in range(len(buckets)))
-    return LinearChoice(buckets, kernels)
+    """The fastest kernel per bucket; seconds[kernel][i] is its time at buckets[i]. The
+    library's packed path (oneDNN, else the first kernel) keeps a bucket unless another
+    kernel beats it by more than MARGIN: a kernel timed alone can lose a few percent back
+    inside a model, and a choice that flips on noise costs a second weight layout."""
+    default = linear_kernels.ONEDNN if linear_kernels.ONEDNN in seconds else next(iter(seconds))
+    kernels = []
+    for i in range(len(buckets)):
+        best = min(seconds, key=lambda kernel: seconds[kernel][i])
+        kernels.append(best if seconds[best][i] * (1 + MARGIN) < seconds[default][i] else default)
+    return LinearChoice(buckets, tuple(kernels))
 
 
 def _time_call(call) -> float:
