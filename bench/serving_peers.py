@@ -1,6 +1,7 @@
 """`kvserve serve` against `vllm serve`, both measured by vLLM's own load generator
 (`vllm bench serve`), one after the other in one run on the same machine: the same
-model (the bundled SmolLM2 in bf16), the same random prompts, at several concurrencies.
+model (the bundled SmolLM2, bf16 unless --dtype says otherwise), the same random
+prompts, at several concurrencies.
 
 Each server is started as a user starts it, waited for (/health), probed with one
 request and then ten (first-request latency against the tenth), loaded at every
@@ -43,12 +44,12 @@ PORT = 18600
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2"}
 
 
-def server_command(system: str, model: Path) -> tuple[list[str], dict]:
+def server_command(system: str, model: Path, dtype: str) -> tuple[list[str], dict]:
     if system == "kvserve":
-        command = [str(ROOT / ".venv/bin/kvserve"), "serve", "--dtype", "bfloat16", "--port", str(PORT)]
+        command = [str(ROOT / ".venv/bin/kvserve"), "serve", "--dtype", dtype, "--port", str(PORT)]
         return command + ["--grpc-port", str(PORT + 1)], {}
     command = [str(VLLM_VENV / "bin/vllm"), "serve", str(model), "--served-model-name", BUNDLED_NAME]
-    return command + ["--dtype", "bfloat16", "--port", str(PORT)], VLLM_ENV
+    return command + ["--dtype", dtype, "--port", str(PORT)], VLLM_ENV
 
 
 def wait_ready(proc: subprocess.Popen, timeout: float = 600) -> float:
@@ -120,7 +121,7 @@ def process_cpu_s(pid: int) -> float:
 
 
 def run_system(system: str, model: Path, args) -> dict:
-    command, env = server_command(system, model)
+    command, env = server_command(system, model, args.dtype)
     log = open(Path(tempfile.gettempdir()) / f"serving_peers_{system}.log", "w")  # noqa: SIM115
     # A session of its own, so that stopping it reaches every process it started.
     proc = subprocess.Popen(
@@ -180,6 +181,12 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--systems", nargs="+", default=["kvserve", "vllm"], choices=["kvserve", "vllm"])
     parser.add_argument("--out", type=Path, default=RESULTS / "serving_peers_cpu.json")
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32"],
+        help="both servers'; float32 on CPUs without AVX512-BF16 or AMX, which emulate bf16",
+    )
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     if args.quick:
@@ -190,6 +197,7 @@ def main() -> None:
     result = {
         "benchmark": "serving_peers",
         "machine": machine(platform=platform.platform()),
+        "dtype": args.dtype,
         "workload": f"random {args.input_len} in / {args.output_len} out, --ignore-eos, 4 warm-ups",
         "note": "each figure is from a single run; servers and client share the machine",
         "systems": {system: run_system(system, model, args) for system in args.systems},
