@@ -192,7 +192,8 @@ class KernelChooser:
         key = hashlib.sha256(json.dumps(self.machine, sort_keys=True).encode()).hexdigest()[:16]
         cache_dir = cache_dir or Path(os.environ.get("KVSERVE_KERNEL_CACHE") or cache_root() / "kernels")
         self.cache_path = cache_dir / f"timings_{key}.json"
-        self.timings: dict[str, dict[str, list[float]]] = self._read_cache()
+        # "linear ..." or "fresh prefill ..." -> kernel -> str(bucket rows) -> seconds
+        self.timings: dict[str, dict[str, dict[str, float]]] = self._read_cache()
         self.measured: set[str] = set()
         self.chosen: dict[str, str] = {}  # what was chosen where, for the log line
 
