@@ -20,9 +20,10 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from bench.machine import machine  # noqa: E402
 from replica.cpu import linear_kernels  # noqa: E402
 from replica.cpu.kernel_choice import KernelChooser, LinearShape  # noqa: E402
-from replica.cpu.machine import cpu_model, fingerprint  # noqa: E402
+from replica.cpu.machine import cpu_model  # noqa: E402
 
 # SmolLM2-135M: hidden 576, 9 query heads and 3 KV heads of 64, MLP 1536, vocabulary 49152.
 SMOLLM2 = {"hidden": 576, "heads": 9, "kv_heads": 3, "head_dim": 64, "intermediate": 1536, "vocab": 49152}
@@ -54,7 +55,7 @@ def measure(
             ],
             "chosen": chooser.chosen,
             "seconds": chooser.timings,
-            "machine": fingerprint(threads),
+            "machine": machine(threads),
         }
 
 
@@ -83,7 +84,7 @@ def main() -> None:
     result = {
         "benchmark": "kernel_choice",
         "model_shapes": "SmolLM2-135M",
-        "machine": fingerprint(),
+        "machine": machine(),
         "runs": runs,
     }
     out.write_text(json.dumps(result, indent=1))

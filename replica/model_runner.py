@@ -32,6 +32,7 @@ from replica.attention import (
 )
 from replica.attention.select import CPU_KERNELS, cpu_kernels_built, triton_interpret
 from replica.config import EngineConfig
+from replica.cpu import ops as cpu_ops
 from replica.cpu.affinity import CorePlan
 from replica.cpu.decoder import optimize_for_cpu
 from replica.cpu.kernel_choice import KernelChooser
@@ -131,12 +132,20 @@ class ModelRunner:
             )
         hf = self.model.config
         # This rank's; shard before packing, on the host.
-        kv_heads = num_kv_heads(hf) if group is None else shard_model(self.model, group).num_kv
+        if group is None:
+            q_heads, kv_heads = hf.num_attention_heads, num_kv_heads(hf)
+        else:
+            shard = shard_model(self.model, group)
+            q_heads, kv_heads = shard.num_q, shard.num_kv
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         self.model.to(self.device).eval()
         fused = None
         if name == CPU_KERNELS:
             chooser = KernelChooser(config.cpu_kernels, max_rows=config.max_num_batched_tokens)
-            fused = optimize_for_cpu(self.model, chooser, self.block_size, max_logit_rows=config.max_num_seqs)
+            fused = optimize_for_cpu(self.model, chooser, max_logit_rows=config.max_num_seqs)
+            cpu_ops.FRESH_PREFILLS_BY_SDPA = chooser.fresh_prefills_by_sdpa(
+                q_heads, kv_heads, head_dim, self.block_size, self.dtype
+            )
             chooser.save()
             logger.info(chooser.describe())
         # (input_ids [1, T], position_ids [1, T], rows) -> final hidden states [1, T, E] of
@@ -147,7 +156,7 @@ class ModelRunner:
         self.hf_config = hf
         self.num_layers = hf.num_hidden_layers
         self.num_kv_heads = kv_heads
-        self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        self.head_dim = head_dim
         self.vocab_size = hf.vocab_size
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = config.num_kv_blocks or self._size_kv_cache(config)

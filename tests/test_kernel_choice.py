@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 from conftest import hf_greedy
-from transformers import AutoModelForCausalLM, LlamaConfig
+from test_gpu_path import TINY
+from transformers import AutoModelForCausalLM
 
 from replica import LLM, SamplingParams
 from replica.config import EngineConfig
@@ -139,17 +140,6 @@ def test_forced_choices():
         KernelChooser("gemm.c").linear(LinearShape(48, 64, torch.float32))
     with pytest.raises(ValueError, match="cpu_kernels must be one of"):
         EngineConfig(cpu_kernels="mkl")
-
-
-TINY = LlamaConfig(
-    vocab_size=49152,  # the bundled tokenizer's
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
 
 
 @pytest.mark.parametrize("kernel", ["auto", *linear_kernels.LINEAR_KERNELS])

@@ -15,7 +15,6 @@ fewer shortcuts.
 import torch
 from torch import nn
 
-from replica.cpu import ops
 from replica.cpu.kernel_choice import KernelChooser
 from replica.cpu.layers import PackedLinear, RMSNorm, RotaryPagedAttention, SiluMLP
 from replica.cpu.native_decoder import NativeDecoder
@@ -89,11 +88,9 @@ class FusedDecoder(nn.Module):
         return final[None]
 
 
-def optimize_for_cpu(
-    model: nn.Module, chooser: KernelChooser, block_size: int, max_logit_rows: int
-) -> FusedDecoder | None:
+def optimize_for_cpu(model: nn.Module, chooser: KernelChooser, max_logit_rows: int) -> FusedDecoder | None:
     """Swap the stand-ins into `model` in place, each linear with the kernels `chooser`
-    picks, and pick how fresh prefills are attended. Returns the FusedDecoder that replaced
+    picks. Returns the FusedDecoder that replaced
     its decoder, or None where transformers' decoder stays (with stand-ins inside).
     Packing needs fp32 or bf16 weights; other dtypes keep transformers' modules.
     max_logit_rows: the most rows the output projection sees in a step."""
@@ -108,15 +105,6 @@ def optimize_for_cpu(
     if isinstance(output, nn.Linear):
         model.set_output_embeddings(PackedLinear.of(output, chooser, max_logit_rows))
     _swap_children(model, chooser)
-    attention = next((m for m in model.modules() if isinstance(m, RotaryPagedAttention)), None)
-    if attention is not None:  # its heads, not the config's: a tensor-parallel rank holds some
-        heads = attention.num_heads, attention.num_kv_heads, attention.head_dim
-    else:
-        config = model.config
-        num_heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-        heads = num_heads, getattr(config, "num_key_value_heads", None) or num_heads, head_dim
-    ops.FRESH_PREFILLS_BY_SDPA = chooser.fresh_prefills_by_sdpa(*heads, block_size, model.dtype)
     return fused
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from replica.config import CPU_KERNEL_CHOICES
 from replica.cpu import linear_kernels, ops
 from replica.cpu.machine import fingerprint
 from replica.model_loader import cache_root
@@ -183,10 +184,8 @@ class KernelChooser:
 
     def __init__(self, forced: str = "auto", max_rows: int = ROW_BUCKETS[-1], cache_dir: Path | None = None):
         """max_rows: the most rows a step gives a linear (the token budget)."""
-        if forced not in ("auto", *linear_kernels.LINEAR_KERNELS):
-            raise ValueError(
-                f"cpu_kernels must be auto or one of {linear_kernels.LINEAR_KERNELS}, got {forced!r}"
-            )
+        if forced not in CPU_KERNEL_CHOICES:
+            raise ValueError(f"cpu_kernels must be one of {CPU_KERNEL_CHOICES}, got {forced!r}")
         self.forced, self.max_rows = forced, max_rows
         self.machine = fingerprint()
         key = hashlib.sha256(json.dumps(self.machine, sort_keys=True).encode()).hexdigest()[:16]

@@ -17,14 +17,14 @@ ISA_FLAGS = ("amx_tile", "amx_bf16", "amx_int8", "avx512_bf16", "avx512_vnni", "
 
 @cache
 def _cpuinfo() -> tuple[str, frozenset[str]]:
-    model, flags = platform.processor() or platform.machine(), frozenset()
+    """The first processor's model name and flags (every core lists the same)."""
     cpuinfo = Path("/proc/cpuinfo")
+    fields: dict[str, str] = {}
     for line in cpuinfo.read_text().splitlines() if cpuinfo.exists() else []:
-        if line.startswith("model name") and model == (platform.processor() or platform.machine()):
-            model = line.split(":", 1)[1].strip()
-        elif line.startswith("flags") and not flags:
-            flags = frozenset(line.split(":", 1)[1].split())
-    return model, flags
+        name, _, value = line.partition(":")
+        fields.setdefault(name.strip(), value.strip())
+    model = fields.get("model name") or platform.processor() or platform.machine()
+    return model, frozenset(fields.get("flags", "").split())
 
 
 def cpu_model() -> str:
