@@ -2,6 +2,9 @@
 in for: paged attention against dense causal attention (both page layouts, rotary fused
 or not), and the norms, activation, argmax and packed linears against their modules."""
 
+import ctypes
+import re
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -11,7 +14,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_
 
 from replica.attention import build_metadata
 from replica.attention.torch_backend import kv_cache_shape
-from replica.cpu import build, linear_kernels, ops
+from replica.cpu import abi, build, linear_kernels, ops
 from replica.cpu.kernel_choice import LinearChoice
 from replica.cpu.layers import PackedLinear
 
@@ -299,3 +302,45 @@ def test_a_failing_build_says_why(monkeypatch, tmp_path):
         assert not cpu_kernels_built()
     finally:
         build.load_library.cache_clear()
+
+
+def _header_prototypes() -> dict[str, tuple[list, object]]:
+    """kvserve_abi.h's function prototypes, as ctypes (argument types, result type)."""
+    header = next(h for h in build.HEADERS if h.name == "kvserve_abi.h")
+    text = re.sub(r"/\*.*?\*/", "", header.read_text(), flags=re.S)
+    text = re.sub(r"typedef struct \{.*?\} \w+;", "", text, flags=re.S)
+    scalars = {"void": None, "int": ctypes.c_int, "int64_t": ctypes.c_int64, "float": ctypes.c_float,
+               "size_t": ctypes.c_size_t}  # fmt: skip
+    structs = {s.__name__: ctypes.POINTER(s) for s in (abi.StepLayout, abi.DecoderShape, abi.DecoderLayer)}
+
+    def ctype(declaration: str):
+        words = declaration.replace("*", " * ").split()
+        if "*" not in words:
+            return scalars[words[-2] if len(words) > 1 else words[0]]
+        return next((structs[w] for w in words if w in structs), ctypes.c_void_p)
+
+    prototypes = {}
+    for result, name, params in re.findall(r"(\w+)\s+(\w+)\(([^)]*)\);", text):
+        args = [] if params.strip() == "void" else [ctype(p) for p in params.split(",")]
+        prototypes[name] = (args, scalars[result])
+    return prototypes
+
+
+def test_bindings_match_the_header():
+    """build.py binds every function kvserve_abi.h declares, with the header's argument
+    and result types: the compiler checks the C side against the header, this the Python side."""
+    prototypes = _header_prototypes()
+    assert "paged_attention" in prototypes and "decoder_forward" in prototypes
+    assert set(build.SIGNATURES) == set(prototypes)
+    for name, (argtypes, restype) in build.SIGNATURES.items():
+        assert (argtypes, restype) == prototypes[name], name
+
+
+def test_a_struct_that_differs_from_the_header_fails_at_load(monkeypatch):
+    class Shorter(ctypes.Structure):
+        _fields_ = [("slots", ctypes.c_void_p)]
+
+    lib = build.load_library()
+    monkeypatch.setattr(build, "SIZE_FUNCTIONS", {Shorter: "kvserve_step_layout_size"})
+    with pytest.raises(RuntimeError, match="abi.Shorter is 8 bytes"):
+        build._declare(lib)

@@ -27,7 +27,7 @@ def _both_loops(llm: LLM, prompts, params) -> tuple[list, list, int]:
     forward = native.forward
 
     def counted(*args):
-        _, fresh_runs = ops.step_arguments(get_forward_context().metadata)
+        _, fresh_runs = ops.step_layout(get_forward_context().metadata)
         out = forward(*args)
         assert (out is not None) == (not fresh_runs)
         runs.append(out is not None)

@@ -2,10 +2,9 @@
 engine (VLLM_CPU_OMP_THREADS_BIND).
 
 On a small machine the engine shares its cores with Serve's proxy, the ingress and
-Ray's own processes, which preempted it under load. Whether a core of its own pays is
-not settled: `vllm bench serve` at concurrency 16 on 2 cores gave 98-117 output tok/s
-floating and 144-162 pinned in one stretch of time, and 110 against 107 an hour later
-(one-off runs, not committed benchmarks).
+Ray's own processes, which preempt it under load. Whether a core of its own pays
+depends on the machine and on what else runs there, so pinning is a setting
+(`cpu_cores`; `kvserve serve --cpu-cores`, "auto" there, "none" to turn it off).
 
 A core left to the serving processes is idle while a burst of new prompts is prefilled:
 every client is waiting for its first token, so there is nothing to stream. With

@@ -179,26 +179,21 @@ static void write_kv(const Layer* L, const void* k, int64_t k_stride_t, int64_t 
     }
 }
 
-/* One attention layer over a packed step: (rotary), KV write, then causal attention of
- * every query row over its sequence's paged KV.
- *   q: [T, H, D], k/v: [T, Hkv, D], each with the given strides (last dim contiguous)
- *   cos/sin: [T, D] or NULL; out: contiguous [T, H, D]
- *   decode rows 0..num_decodes-1: one query token each, at the end of a context of
- *     decode_lens[i] tokens, block table row i of decode_tables [num_decodes, decode_width]
- *   prefill chunk p: rows prefill_starts[p]..prefill_ends[p]-1, the last rows of a
- *     context of prefill_lens[p] tokens, block table row p of prefill_tables
- * Rows of no decode and no chunk get their KV written but are not attended (ops.py
- * attends fresh prefills, which need no cache, with torch's SDPA). */
+/* Declared, with its arguments, in kvserve_abi.h. */
 void paged_attention(void* out, const void* q, int64_t q_stride_t, int64_t q_stride_h, const void* k,
                      int64_t k_stride_t, int64_t k_stride_h, const void* v, int64_t v_stride_t, int64_t v_stride_h,
-                     const void* cos, const void* sin, void* k_cache, void* v_cache, const int64_t* slots,
-                     int64_t num_tokens, int num_decodes, const int32_t* decode_tables, int decode_width,
-                     const int32_t* decode_lens, int num_prefills, const int32_t* prefill_starts,
-                     const int32_t* prefill_ends, const int32_t* prefill_lens, const int32_t* prefill_tables, int prefill_width, int num_heads,
-                     int num_kv_heads, int head_dim, int block_size, float scale, int is_bf16, int num_threads) {
+                     const void* cos, const void* sin, void* k_cache, void* v_cache, const StepLayout* step,
+                     int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int is_bf16,
+                     int num_threads) {
     const Layer L = {out,     q,       q_stride_t, q_stride_h, cos,       sin,        k_cache, v_cache,
                      num_heads, num_kv_heads, head_dim, block_size, scale, is_bf16};
-    write_kv(&L, k, k_stride_t, k_stride_h, v, v_stride_t, v_stride_h, slots, num_tokens, num_threads);
+    /* Locals, so that the stores into items below cannot make the compiler reload them. */
+    const int num_decodes = step->num_decodes, decode_width = step->decode_width;
+    const int num_prefills = step->num_prefills, prefill_width = step->prefill_width;
+    const int32_t *decode_tables = step->decode_tables, *decode_lens = step->decode_lens;
+    const int32_t *prefill_starts = step->prefill_starts, *prefill_ends = step->prefill_ends;
+    const int32_t *prefill_lens = step->prefill_lens, *prefill_tables = step->prefill_tables;
+    write_kv(&L, k, k_stride_t, k_stride_h, v, v_stride_t, v_stride_h, step->slots, step->num_tokens, num_threads);
 
     int64_t num_items = (int64_t)num_decodes * num_kv_heads;
     for (int p = 0; p < num_prefills; p++)
@@ -252,3 +247,5 @@ void paged_attention(void* out, const void* q, int64_t q_stride_t, int64_t q_str
     }
     free(items);
 }
+
+size_t kvserve_step_layout_size(void) { return sizeof(StepLayout); }

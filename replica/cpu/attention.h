@@ -6,6 +6,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kvserve_abi.h"
 #include "scalar.h"
 
 /* A layer's cache is a pair of [num_blocks, Hkv, ...] tensors: one page per (block, KV
@@ -53,8 +54,7 @@ typedef struct {
 
 /* Bounds of attend_rows' register arrays. Sized by these constants rather than by its
  * arguments: arrays sized by arguments are variable-length, which GCC keeps in memory, so
- * each multiply-add's accumulator went back to the stack on every iteration (about 6% of
- * a 64-sequence decode's attention, 3% of a prefill's). */
+ * each multiply-add's accumulator would go back to the stack on every iteration. */
 #define MAX_PAIRED_VECTORS 4
 #define MAX_PAIRED_BLOCK 256
 #define MAX_PAIRED_HEAD_DIM 512
@@ -89,9 +89,8 @@ static inline void start_item(const Scratch* w, int num_vectors, int D) {
     memset(w->acc, 0, sizeof(float) * (size_t)num_vectors * D);
 }
 
-/* Each output is scaled and rounded in one pass. Scaled in place and then read back, the
- * accumulators' loads waited on the stores just before them (perf's hottest lines in the
- * attention of a prefill; one pass took 7% off it). */
+/* Each output is scaled and rounded in one pass: scaled in place and then read back, the
+ * accumulators' loads would wait on the stores just before them. */
 static inline void store_outputs(const Layer* L, const WorkItem* it, const Scratch* w, int group) {
     const int D = L->head_dim;
     for (int i = 0; i < it->nrows * group; i++) {

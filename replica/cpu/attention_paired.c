@@ -6,6 +6,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "kvserve_abi.h"
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 
@@ -15,9 +17,8 @@
 /* Start loading blocks first..last of an item (its K and V pages) into L2: they sit
  * anywhere in the cache, so the hardware prefetchers cannot guess them, and a decode
  * step reads far more KV than fits in L3. A few blocks ahead of the attention rather
- * than the whole item at once: 5-10% faster decode attention (64 sequences of 200
- * tokens, 32 of 400), since a burst of a whole item's pages overflows what L2 can have
- * in flight. */
+ * than the whole item at once, since a burst of a whole item's pages overflows what L2
+ * can have in flight. */
 static inline void prefetch_pages(const Layer* L, const WorkItem* it, int first, int last) {
     const int64_t page_bytes = (int64_t)L->block_size * L->head_dim * (L->is_bf16 ? 2 : 4);
     if (last >= item_blocks(it, L->block_size)) last = item_blocks(it, L->block_size) - 1;
@@ -56,8 +57,8 @@ static inline void prefetch_item_rows(const Layer* L, const WorkItem* it, int gr
 }
 
 /* dst = the bf16 row x (D % 32 == 0) rotated as rotate_pair_bf16 rotates it, 16 pairs at
- * a time (cos and sin: the row's angles), or copied when cos is NULL. Scalar, it was the
- * costliest part of writing K and of loading a prefill's queries. */
+ * a time (cos and sin: the row's angles), or copied when cos is NULL. Vectorized because
+ * the rotation dominates writing K and loading a prefill's queries. */
 static inline void rotate_row_bf16(bf16* dst, const bf16* x, const bf16* cos, const bf16* sin, int D) {
     const int half = D / 2;
     if (cos == NULL) {
@@ -104,9 +105,8 @@ void write_paired_kv(const Layer* L, const bf16* k, int64_t k_stride_h, const bf
 }
 
 /* The item's queries as the bf16 rows attend_rows broadcasts, rotated and rounded as
- * load_rotated rounds them, in one pass. Widened to fp32 scratch rows first, scaled by 1
- * and converted back, they were a quarter of a prefill's attention in `perf`; one pass
- * took about 4% off that attention. */
+ * load_rotated rounds them, in one pass rather than widened to fp32 scratch rows and
+ * converted back. */
 static inline void load_paired_queries(const Layer* L, const WorkItem* it, const Scratch* w, int group) {
     const int D = L->head_dim;
     const bf16 *src = (const bf16*)L->q, *cos = (const bf16*)L->cos, *sin = (const bf16*)L->sin;
@@ -129,8 +129,7 @@ static inline void load_paired_queries(const Layer* L, const WorkItem* it, const
  * R query vectors (rows i0..i0+R-1 of the item) go through a block together: each page
  * load serves all of them, and each score is two interleaved sums, so the fused
  * multiply-adds form 2R independent chains instead of one long chain per row, whose
- * latency bounded the arithmetic (a 16-sequence decode step's 30 layers with the KV in
- * cache: 5.4 -> 4.3 ms; from memory, with prefetch_pages too: 10 -> 8.5 ms). */
+ * latency would bound the arithmetic. */
 static inline __attribute__((always_inline)) void attend_rows(const Layer* L, const WorkItem* it,
                                                               const Scratch* w, const int D, const int BS,
                                                               const int R, const int i0, const int32_t* kpage,
@@ -233,7 +232,7 @@ static inline __attribute__((always_inline)) void attend_rows(const Layer* L, co
  * item's scores for a superchunk first, then their softmax, then the weighted sum of the
  * values, each pass a loop of independent multiply-adds. attend_rows' block-at-a-time
  * online softmax is a chain of dependent reductions per block and query vector, which
- * left its multiply-adds at a quarter of the vdpbf16ps peak on sixteen 128-token prompts.
+ * leaves the multiply-adds of many query rows far below the vdpbf16ps peak.
  * Scores are scaled after the products; probabilities are rounded to bf16 for the
  * weighted sum, as attend_rows does. */
 #define SCORE_TILE 12 /* query vectors per score tile: 12 x 2 accumulators of 16 keys */
@@ -436,11 +435,9 @@ static inline __attribute__((always_inline)) void attend_decode_paired(const Lay
         int i = 0;
         if (owner != NULL && ahead < item_blocks(owner, BS)) {
             /* One pass of a few hundred cycles per block, whose pages come from memory.
-             * The later page's loads, issued in one burst, filled the miss queue and
-             * stalled that arithmetic; spread through it, they overlap it. With the next
-             * item's pages loaded ahead too, a 64-sequence decode step of the bundled
-             * model went from 48.8 to 42.8 ms (150-token contexts) and from 68.3 to
-             * 57.1 ms (400), measured in turns in one process. */
+             * The later page's loads, issued in one burst, would fill the miss queue and
+             * stall that arithmetic; spread through it, they overlap it, the next item's
+             * first pages included. */
             const int64_t later = ((int64_t)owner->block_table[ahead] * L->num_kv_heads + owner->kv_head) * BS * D;
             const char* ahead_k = (const char*)((const bf16*)L->k_cache + later);
             const char* ahead_v = (const char*)((const bf16*)L->v_cache + later);

@@ -1,5 +1,5 @@
 """Build the C kernels (kernels.c, attention.c, attention_paired.c, gemm.c, decoder.c)
-once per machine and load them with ctypes.
+once per machine and load them with ctypes, bound as kvserve_abi.h declares them.
 
 The library is compiled for the CPU it runs on (-march=native), so it is built where it
 is used, not shipped: the first engine on a machine compiles it (a few seconds) into
@@ -18,13 +18,16 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from replica.cpu.abi import SIZE_FUNCTIONS, DecoderLayer, DecoderShape, StepLayout
 from replica.model_loader import cache_root
 
 SOURCES = [
     Path(__file__).with_name(name)
     for name in ("kernels.c", "attention.c", "attention_paired.c", "gemm.c", "decoder.c")
 ]
-HEADERS = [Path(__file__).with_name(name) for name in ("avx512_bf16.h", "scalar.h", "attention.h")]
+HEADERS = [
+    Path(__file__).with_name(name) for name in ("kvserve_abi.h", "avx512_bf16.h", "scalar.h", "attention.h")
+]
 FLAGS = [
     "-O3",
     "-march=native",
@@ -103,29 +106,48 @@ def load_library() -> ctypes.CDLL:
     return lib
 
 
+_p, _i64, _i32, _f32, _size = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_size_t
+_STEP, _SHAPE, _LAYERS = (ctypes.POINTER(s) for s in (StepLayout, DecoderShape, DecoderLayer))
+# Every function kvserve_abi.h declares: (argument types, result type).
+# tests/test_cpu_kernels.py checks them against the header's prototypes.
+SIGNATURES = {
+    "rms_norm": ([_p, _p, _p, _p, _i64, _i32, _f32, _i32, _i32], None),
+    "silu_mul": ([_p, _p, _i64, _i32, _i32, _i32], None),
+    "argmax_rows": ([_p, _p, _i64, _i64, _i32, _i32], None),
+    "sample_rows": ([_p, _p, _p, _p, _i64, _i64, _i32, _i32], None),
+    "rotary_embed": ([_p, _p, _i64, _i64, _p, _p, _i64, _i32, _i32, _i32, _i32], None),
+    "paged_attention": (
+        [
+            _p, _p, _i64, _i64,  # out, q and its strides
+            _p, _i64, _i64, _p, _i64, _i64,  # k, v and their strides
+            _p, _p, _p, _p, _STEP,  # cos, sin, k_cache, v_cache, the step's layout
+            _i32, _i32, _i32, _i32,  # heads, kv heads, head dim, block size
+            _f32, _i32, _i32,  # scale, bf16, threads
+        ],
+        None,
+    ),
+    "kvserve_step_layout_size": ([], _size),
+    "bf16_gemm_available": ([], _i32),
+    "packed_bf16_weight_elements": ([_i64, _i64], _i64),
+    "pack_bf16_weight": ([_p, _p, _i64, _i64], None),
+    "gemm_bf16": ([_p, _p, _p, _p, _i64, _i64, _i64, _i32, _i32], None),
+    "decoder_forward": ([_SHAPE, _LAYERS, _STEP, _p, _p, _p, _p, _i64, _p, _p, _i32], None),
+    "decoder_scratch_elements": ([_SHAPE, _i64], _i64),
+    "kvserve_decoder_layer_size": ([], _size),
+    "kvserve_decoder_shape_size": ([], _size),
+}  # fmt: skip
+
+
 def _declare(lib: ctypes.CDLL) -> None:
-    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    lib.rms_norm.argtypes = [p, p, p, p, i64, i32, f32, i32, i32]
-    lib.silu_mul.argtypes = [p, p, i64, i32, i32, i32]
-    lib.argmax_rows.argtypes = [p, p, i64, i64, i32, i32]
-    lib.sample_rows.argtypes = [p, p, p, p, i64, i64, i32, i32]
-    lib.rotary_embed.argtypes = [p, p, i64, i64, p, p, i64, i32, i32, i32, i32]
-    lib.paged_attention.argtypes = [
-        p, p, i64, i64,  # out, q and its strides
-        p, i64, i64, p, i64, i64,  # k, v and their strides
-        p, p, p, p, p, i64,  # cos, sin, k_cache, v_cache, slots, num_tokens
-        i32, p, i32, p,  # decodes: count, tables, table width, context lens
-        i32, p, p, p, p, i32,  # prefills: count, query starts and ends, context lens, tables, table width
-        i32, i32, i32, i32, f32, i32, i32,  # heads, kv heads, head dim, block size, scale, bf16, threads
-    ]  # fmt: skip
-    lib.packed_bf16_weight_elements.argtypes = [i64, i64]
-    lib.packed_bf16_weight_elements.restype = i64
-    lib.pack_bf16_weight.argtypes = [p, p, i64, i64]
-    lib.gemm_bf16.argtypes = [p, p, p, p, i64, i64, i64, i32, i32]
-    lib.bf16_gemm_available.argtypes = []
-    lib.bf16_gemm_available.restype = i32
-    for name in (
-        "rms_norm", "silu_mul", "argmax_rows", "sample_rows", "rotary_embed", "paged_attention",
-        "pack_bf16_weight", "gemm_bf16",
-    ):  # fmt: skip
-        getattr(lib, name).restype = None
+    """Bind every function as SIGNATURES declares it; raises RuntimeError where abi.py's
+    structs and the compiled ones differ in size."""
+    for name, (argtypes, restype) in SIGNATURES.items():
+        function = getattr(lib, name)
+        function.argtypes, function.restype = argtypes, restype
+    for struct, size_function in SIZE_FUNCTIONS.items():
+        compiled = getattr(lib, size_function)()
+        if compiled != ctypes.sizeof(struct):
+            raise RuntimeError(
+                f"abi.{struct.__name__} is {ctypes.sizeof(struct)} bytes, kvserve_abi.h's {compiled}: "
+                "the two declare different fields"
+            )

@@ -1,13 +1,12 @@
 /* bf16 GEMM for the linears of a decoder on CPUs with AVX512-BF16: y = x W^T (+ b).
  *
- * Why not oneDNN (which kvserve used before): a decode step multiplies a few to a few
- * dozen rows by every weight of the model once. oneDNN's kernels are tuned for larger
- * batches: on an AVX512-BF16 EPYC, at 1-16 rows they read the weights at 15-20 GB/s of
- * the 31 the machine streams, and at 64 rows they reach 65-80% of the vdpbf16ps peak.
- * This kernel streams each weight panel once, in the order it is stored, and keeps 24
- * accumulators in registers, so the weights come in at close to memory speed for few
- * rows and the dot products run near peak for many (on the bundled model's shapes:
- * 1.5-2x oneDNN at 1-16 rows, 1.15-1.3x at 64, level from 512 on).
+ * Why not oneDNN: a decode step multiplies a few to a few dozen rows by every weight of
+ * the model once, and oneDNN's kernels are tuned for larger batches: at a few rows they
+ * read the weights well below the speed memory streams them, and at tens of rows their
+ * dot products stay short of the vdpbf16ps peak. This kernel streams each weight panel
+ * once, in the order it is stored, and keeps 24 accumulators in registers, so the
+ * weights come in at close to memory speed for few rows and the dot products run near
+ * peak for many.
  *
  * Weights are packed once (pack_bf16_weight) into panels of 32 output rows:
  * [panel][k / 2][32][2], the pairs vdpbf16ps takes, so a k-pair of a panel is two 64-byte
@@ -22,7 +21,7 @@
 #include <immintrin.h>
 #endif
 
-typedef uint16_t bf16;
+#include "kvserve_abi.h"
 
 #define PANEL 32    /* output rows per panel: two 16-lane vectors */
 #define TILE_ROWS 12 /* rows of x per tile: 12 x 2 accumulators, 2 weight vectors */
@@ -63,7 +62,7 @@ static inline __attribute__((always_inline)) void tile(bf16* y, int64_t ldy, con
                                                        int64_t n, int64_t pairs, int rows, int gated) {
     __m512 acc[TILE_ROWS][2];
     for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-#pragma GCC unroll 2 /* two k-pairs per iteration: about 5% more than one at many rows */
+#pragma GCC unroll 2 /* two k-pairs per iteration: half the loop overhead, which shows at many rows */
     for (int64_t i = 0; i < pairs; i++) {
         const bf16* w = panel + i * PANEL * 2;
         _mm_prefetch((const char*)(w + 1024), _MM_HINT_T0); /* 2 KiB ahead in the stream */

@@ -19,6 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kvserve_abi.h"
 #include "scalar.h"
 
 static inline float dot(const float* a, const float* b, int n) {

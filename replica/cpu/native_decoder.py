@@ -1,5 +1,5 @@
-"""decoder.c's whole-step loop for FusedDecoder: ctypes mirrors of its structs, the
-layers' weight pointers gathered once, and the KV cache's once per cache.
+"""decoder.c's whole-step loop for FusedDecoder: the layers' weight pointers gathered
+once, and the KV cache's once per cache, in abi.py's mirrors of decoder.c's structs.
 
 It runs where every linear has a layout for gemm.c's bf16 kernel and the layers have no
 parts it lacks (tensor-parallel reductions, Qwen3's q/k norms), and only in steps whose
@@ -14,44 +14,10 @@ import torch
 
 from replica.attention.context import get_forward_context
 from replica.cpu import ops
+from replica.cpu.abi import DecoderLayer, DecoderShape
 from replica.cpu.build import load_library
 from replica.cpu.kernel_choice import ROW_BUCKETS
 from replica.cpu.linear_kernels import GEMM_C
-
-_ptr = ctypes.c_void_p
-_WEIGHTS = ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up", "gate_up_bias",
-            "down", "down_bias")  # fmt: skip
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [(name, _ptr) for name in (*_WEIGHTS, "k_cache", "v_cache")]
-
-
-class _Shape(ctypes.Structure):
-    _fields_ = [
-        *((name, ctypes.c_int) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim",
-                                            "intermediate", "block_size")),
-        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("final_norm", _ptr),
-    ]  # fmt: skip
-
-
-class _Step(ctypes.Structure):
-    """paged_attention's step arguments, in ops.step_arguments' order."""
-
-    _fields_ = [
-        ("slots", _ptr), ("num_tokens", ctypes.c_int64),
-        ("num_decodes", ctypes.c_int), ("decode_tables", _ptr), ("decode_width", ctypes.c_int),
-        ("decode_lens", _ptr), ("num_prefills", ctypes.c_int),
-        ("prefill_starts", _ptr), ("prefill_ends", _ptr), ("prefill_lens", _ptr), ("prefill_tables", _ptr),
-        ("prefill_width", ctypes.c_int),
-    ]  # fmt: skip
-
-
-def _declare(lib: ctypes.CDLL) -> None:
-    lib.decoder_forward.argtypes = [_ptr] * 7 + [ctypes.c_int64, _ptr, _ptr, ctypes.c_int]
-    lib.decoder_forward.restype = None
-    lib.decoder_scratch_elements.argtypes = [_ptr, ctypes.c_int64]
-    lib.decoder_scratch_elements.restype = ctypes.c_int64
 
 
 class NativeDecoder:
@@ -89,7 +55,6 @@ class NativeDecoder:
         self._all_gemm_c: dict[int, bool] = {}  # row bucket -> every linear runs gemm.c there
         self._scratch = torch.empty(0, dtype=torch.bfloat16)
         self._lib = load_library()
-        _declare(self._lib)
 
     @staticmethod
     def supports(fused) -> bool:
@@ -117,7 +82,7 @@ class NativeDecoder:
         if not self._runs_gemm_c(residual.shape[0]):
             return None
         ctx = get_forward_context()
-        kernel_args, fresh_runs = ops.step_arguments(ctx.metadata)
+        layout, fresh_runs = ops.step_layout(ctx.metadata)
         if fresh_runs:
             return None
         shape = self._bind(ctx.kv_caches)
@@ -129,7 +94,7 @@ class NativeDecoder:
         out = residual.new_empty((num_tokens if rows is None else num_rows, self.hidden))
         cos, sin = cos.to(torch.bfloat16).contiguous(), sin.to(torch.bfloat16).contiguous()
         self._lib.decoder_forward(
-            ctypes.byref(shape), self._layers, ctypes.byref(_Step(*kernel_args)), residual.data_ptr(),
+            ctypes.byref(shape), self._layers, ctypes.byref(layout), residual.data_ptr(),
             cos.data_ptr(), sin.data_ptr(), rows.data_ptr() if num_rows > 0 else None, num_rows,
             out.data_ptr(), self._scratch.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
@@ -141,13 +106,13 @@ class NativeDecoder:
             self._all_gemm_c[bucket] = all(m.choice.kernel_for(rows) == GEMM_C for m in self._linears)
         return self._all_gemm_c[bucket]
 
-    def _bind(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> _Shape:
+    def _bind(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> DecoderShape:
         """The layers' struct array with this KV cache, rebuilt when the cache changes."""
         caches = tuple((k.data_ptr(), v.data_ptr()) for k, v in kv_caches)
         if caches != self._caches_seen:
-            self._layers = (_Layer * len(self._weights))(
+            self._layers = (DecoderLayer * len(self._weights))(
                 *(
-                    _Layer(
+                    DecoderLayer(
                         **{name: None if t is None else t.data_ptr() for name, t in weights.items()},
                         k_cache=k,
                         v_cache=v,
@@ -156,7 +121,7 @@ class NativeDecoder:
                 )
             )
             self._caches_seen, self.block_size = caches, kv_caches[0][0].shape[2]
-        return _Shape(**self._shape_args, block_size=self.block_size)
+        return DecoderShape(**self._shape_args, block_size=self.block_size)
 
 
 def _linears(fused) -> list:

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from replica.attention.metadata import AttentionMetadata
+from replica.cpu.abi import StepLayout
 from replica.cpu.build import load_library
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
@@ -146,7 +147,7 @@ def paged_attention(
     this machine: then it attends them from q, k and v directly (FRESH_PREFILLS_BY_SDPA).
 
     Called once per layer per step, so it checks only what a layer could get wrong; the
-    step's metadata becomes kernel arguments once, on the first layer."""
+    step's metadata becomes the kernel's StepLayout once, on the first layer."""
     num_tokens, num_heads, head_dim = q.shape
     if (
         q.stride(2) != 1
@@ -158,11 +159,11 @@ def paged_attention(
     if cos is not None and not (cos.dtype == q.dtype and cos.is_contiguous() and sin.is_contiguous()):
         cos, sin = cos.to(q.dtype).contiguous(), sin.to(q.dtype).contiguous()
     out = q.new_empty((num_tokens, num_heads, head_dim))
-    kernel_args, fresh_runs = step_arguments(meta)
+    layout, fresh_runs = step_layout(meta)
     load_library().paged_attention(
         out.data_ptr(), q.data_ptr(), q.stride(0), q.stride(1),
         k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
-        _ptr(cos), _ptr(sin), k_cache.data_ptr(), v_cache.data_ptr(), *kernel_args,
+        _ptr(cos), _ptr(sin), k_cache.data_ptr(), v_cache.data_ptr(), layout,
         num_heads, k_cache.shape[1], head_dim, k_cache.shape[2], scale, _is_bf16(q), torch.get_num_threads(),
     )  # fmt: skip
     for start, end, length in fresh_runs:
@@ -201,11 +202,11 @@ def rotary_embed(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return out
 
 
-def step_arguments(meta: AttentionMetadata) -> tuple[tuple, list[tuple[int, int, int]]]:
-    """The metadata as the kernel's arguments (slots, token count, decode rows, the prefill
-    chunks it attends), and the fresh prefills SDPA attends as runs of equal-length chunks
-    (first row, end row, chunk length), each one batched SDPA call. Built on a step's
-    first layer and reused by the others."""
+def step_layout(meta: AttentionMetadata) -> tuple[StepLayout, list[tuple[int, int, int]]]:
+    """The metadata as the kernel's StepLayout (slots, decode rows, the prefill chunks it
+    attends), and the fresh prefills SDPA attends as runs of equal-length chunks (first
+    row, end row, chunk length), each one batched SDPA call. Built on a step's first
+    layer and reused by the others, and by decoder.c's whole-step loop."""
     if meta.kernel_args is None:
         by_kernel = [not FRESH_PREFILLS_BY_SDPA or c.block_table is not None for c in meta.prefills]
         kernel_chunks = [i for i, kernel in enumerate(by_kernel) if kernel]
@@ -219,8 +220,15 @@ def step_arguments(meta: AttentionMetadata) -> tuple[tuple, list[tuple[int, int,
             else:
                 fresh_runs.append((chunk.start, chunk.end, length))
         decode_tables = meta.decode_block_tables
-        prefill_arrays: tuple = (None, None, None, None)
-        prefill_width = 0
+        layout = StepLayout(
+            slots=meta.slot_mapping.data_ptr(),
+            num_tokens=meta.slot_mapping.shape[0],
+            decode_tables=_ptr(decode_tables),
+            decode_lens=_ptr(meta.decode_context_lens),
+            num_decodes=meta.num_decodes,
+            decode_width=0 if decode_tables is None else decode_tables.shape[1],
+        )
+        prefill_arrays: tuple = ()
         if kernel_chunks:
             index = torch.tensor(kernel_chunks)
             starts = meta.prefill_query_starts
@@ -228,20 +236,11 @@ def step_arguments(meta: AttentionMetadata) -> tuple[tuple, list[tuple[int, int,
                 starts[:-1][index].contiguous(), starts[1:][index].contiguous(),
                 meta.prefill_context_lens[index].contiguous(), meta.prefill_block_tables[index].contiguous(),
             )  # fmt: skip
-            prefill_width = meta.prefill_block_tables.shape[1]
-        meta.kernel_args = (
-            (
-                meta.slot_mapping.data_ptr(),
-                meta.slot_mapping.shape[0],
-                meta.num_decodes,
-                _ptr(decode_tables),
-                0 if decode_tables is None else decode_tables.shape[1],
-                _ptr(meta.decode_context_lens),
-                len(kernel_chunks),
-                *(_ptr(a) for a in prefill_arrays),
-                prefill_width,
-            ),
-            fresh_runs,
-            prefill_arrays,  # keeps the arrays the pointers point into alive
-        )
+            layout.prefill_starts, layout.prefill_ends, layout.prefill_lens, layout.prefill_tables = (
+                a.data_ptr() for a in prefill_arrays
+            )
+            layout.num_prefills = len(kernel_chunks)
+            layout.prefill_width = meta.prefill_block_tables.shape[1]
+        # The arrays ride along: the layout's pointers point into them.
+        meta.kernel_args = (layout, fresh_runs, prefill_arrays)
     return meta.kernel_args[:2]

@@ -6,7 +6,7 @@
 #include <stdint.h>
 #include <string.h>
 
-typedef uint16_t bf16;
+#include "kvserve_abi.h" /* bf16 */
 
 static inline float bf16_to_float(bf16 x) {
     const uint32_t u = (uint32_t)x << 16;
@@ -88,8 +88,8 @@ static inline void rotate_pair_bf16(float* y0, float* y1, float x0, float x1, fl
 
 /* dst = row `offset` of src rotated by the rotary embedding (cos and sin: row `angle` of
  * [T, D] tables), as rotate_pair_bf16 (and in fp32 without rounding). Read where they
- * lie, not widened into scratch rows first and read back from there (with store_outputs'
- * one pass, 16-25% off the attention of sixteen 128-token prompts). */
+ * lie: widening them into scratch rows first and reading them back costs a pass over
+ * memory per row. */
 static inline void load_rotated(float* restrict dst, const void* src, int64_t offset, const void* cos,
                                 const void* sin, int64_t angle, int D, int is_bf16) {
     const int half = D / 2;

@@ -1,0 +1,82 @@
+/* Everything the kernels' shared library exports: the one declaration of each function
+ * and struct that Python binds (build.py's argtypes, abi.py's ctypes mirrors) and that
+ * decoder.c calls. Every .c file includes it, so the compiler checks each definition
+ * against its declaration here; tests/test_cpu_kernels.py checks build.py's argtypes
+ * against these prototypes, and build.py compares abi.py's struct sizes with the
+ * kvserve_*_size functions when it loads the library.
+ *
+ * Tensors are raw pointers of fp32 or bf16 elements (is_bf16) unless a type says
+ * otherwise; num_threads is the OpenMP team size (torch.get_num_threads()). */
+#pragma once
+#include <stddef.h>
+#include <stdint.h>
+
+typedef uint16_t bf16;
+
+/* One packed step's attention layout, shared by every layer: which cache slot each row's
+ * K and V go to, and which rows attend over which block tables. Packed order: decode rows
+ * first (one query token each), then prefill chunks. Rows of no decode and no chunk get
+ * their K and V written but are not attended (ops.py attends fresh prefills, which need
+ * no cache, with torch's SDPA where that is faster). */
+typedef struct {
+    const int64_t* slots;           /* [num_tokens]: cache slot of each row; < 0: not written */
+    int64_t num_tokens;
+    const int32_t* decode_tables;   /* [num_decodes, decode_width]: row i's block table */
+    const int32_t* decode_lens;     /* [num_decodes]: tokens in row i's context, itself included */
+    const int32_t* prefill_starts;  /* [num_prefills]: chunk p's first row */
+    const int32_t* prefill_ends;    /* [num_prefills]: one past its last row */
+    const int32_t* prefill_lens;    /* [num_prefills]: tokens in its context, the chunk included */
+    const int32_t* prefill_tables;  /* [num_prefills, prefill_width]: its block table */
+    int num_decodes, decode_width, num_prefills, prefill_width;
+} StepLayout;
+
+/* One decoder layer's weights (packed by pack_bf16_weight; biases may be NULL) and KV cache. */
+typedef struct {
+    const bf16 *input_norm, *post_norm;
+    const bf16 *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias;
+    void *k_cache, *v_cache;
+} DecoderLayer;
+
+/* The model's shapes, the same in every layer. */
+typedef struct {
+    int num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size;
+    float eps, scale;
+    const bf16* final_norm;
+} DecoderShape;
+
+/* kernels.c */
+void rms_norm(void* out, const void* x, void* residual, const void* weight, int64_t rows, int n, float eps,
+              int is_bf16, int num_threads);
+void silu_mul(void* out, const void* gate_up, int64_t rows, int n, int is_bf16, int num_threads);
+void argmax_rows(int64_t* out, const void* x, int64_t rows, int64_t n, int is_bf16, int num_threads);
+void sample_rows(int64_t* out, const void* x, const float* inv_temperature, const float* draws, int64_t rows,
+                 int64_t n, int is_bf16, int num_threads);
+void rotary_embed(void* out, const void* x, int64_t stride_t, int64_t stride_h, const void* cos, const void* sin,
+                  int64_t rows, int heads, int D, int is_bf16, int num_threads);
+
+/* attention.c: one layer's attention over a packed step (rotary when cos is not NULL,
+ * the KV write, then causal attention of every query row over its sequence's cache).
+ *   q: [T, H, D], k/v: [T, Hkv, D], each with the given strides (last dim contiguous)
+ *   cos/sin: [T, D] or NULL; out: contiguous [T, H, D]
+ *   k_cache/v_cache: [num_blocks, Hkv, ...], one page per (block, KV head) */
+void paged_attention(void* out, const void* q, int64_t q_stride_t, int64_t q_stride_h, const void* k,
+                     int64_t k_stride_t, int64_t k_stride_h, const void* v, int64_t v_stride_t, int64_t v_stride_h,
+                     const void* cos, const void* sin, void* k_cache, void* v_cache, const StepLayout* step,
+                     int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int is_bf16,
+                     int num_threads);
+size_t kvserve_step_layout_size(void);
+
+/* gemm.c */
+int bf16_gemm_available(void);
+int64_t packed_bf16_weight_elements(int64_t n, int64_t k);
+void pack_bf16_weight(bf16* dst, const bf16* w, int64_t n, int64_t k);
+void gemm_bf16(bf16* y, const bf16* x, const bf16* packed, const bf16* bias, int64_t m, int64_t n, int64_t k,
+               int gated, int num_threads);
+
+/* decoder.c */
+void decoder_forward(const DecoderShape* shape, const DecoderLayer* layers, const StepLayout* step, bf16* residual,
+                     const bf16* cos, const bf16* sin, const int64_t* rows, int64_t num_rows, bf16* out,
+                     bf16* scratch, int num_threads);
+int64_t decoder_scratch_elements(const DecoderShape* shape, int64_t num_tokens);
+size_t kvserve_decoder_layer_size(void);
+size_t kvserve_decoder_shape_size(void);
