@@ -86,8 +86,8 @@ def main() -> None:
     results = {}
     for size in (1, 2):
         llm = LLM(dtype="bfloat16", tensor_parallel_size=size)
-        hidden = llm.engine.runner.hf_config.hidden_size
-        num_layers = llm.engine.runner.num_layers
+        hidden = llm.engine.runner.model.config.hidden_size
+        num_layers = llm.engine.runner.model.config.num_hidden_layers
         results[f"tp{size}"] = throughput(llm, args.requests, args.output_len, args.repeats)
         if size > 1:
             llm.engine.runner.workers.shutdown()

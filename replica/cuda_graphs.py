@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 
 from replica.attention import AttentionMetadata
+from replica.input_batch import Fill
 
 # Columns of the packed per-row inputs: one host-to-device copy fills all four.
 TOKEN, POSITION, SLOT, CONTEXT_LEN = range(4)
@@ -126,7 +127,7 @@ class DecodeGraphRunner:
         token_ids: list[int],
         context_lens: list[int],
         block_tables: list[list[int]],
-        fill: tuple[torch.Tensor, torch.Tensor] | None = None,
+        fill: Fill | None = None,
     ) -> torch.Tensor:
         """One decode step of len(token_ids) sequences; returns their hidden states [n, E].
         `fill` (row indices, token ids) sets tokens that are still on the device (async

@@ -1,19 +1,18 @@
 """Device work for one step: load the model, own the paged KV cache, pack the scheduled
 tokens into one 1 x T forward, and return logits only for the rows that sample.
 
-On CUDA, pure-decode steps replay captured CUDA graphs (cuda_graphs.py) and the KV cache
-takes what `gpu_memory_utilization` leaves after the weights and a profiled worst step.
+On CUDA, pure-decode steps replay captured CUDA graphs (cuda_graphs.py), and the KV cache
+takes what `gpu_memory_utilization` leaves after the weights and a profiled worst step
+(kv_sizing.py).
 
 With tensor parallelism every rank runs a ModelRunner over its shard of the model
-(replica/parallel/). Rank 0's, in the replica's own process, first sends each step to
-the other ranks (`workers`); all ranks then run the same forward, whose collectives
-join them, and only rank 0 gets logits.
+(replica/parallel/), given its `group`: all ranks run the same forward, whose
+collectives join them, and only rank 0 gets logits. Sending each step to the other
+ranks is the job of rank 0's TensorParallelRunner, which wraps this one.
 """
 
 import contextlib
-import itertools
 import logging
-from typing import TYPE_CHECKING
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -22,7 +21,6 @@ from transformers.utils import logging as transformers_logging
 from replica.attention import (
     AttentionMetadata,
     ForwardContext,
-    build_metadata,
     choose_backend,
     effective_block_size,
     forward_context,
@@ -37,49 +35,43 @@ from replica.cpu.affinity import CorePlan
 from replica.cpu.decoder import optimize_for_cpu
 from replica.cpu.kernel_choice import KernelChooser
 from replica.cuda_graphs import DecodeGraphRunner
+from replica.devices import resolve_device, resolve_dtype
+from replica.input_batch import Fill, pack_inputs, rows_to_keep
+from replica.kv_sizing import (
+    KVCacheLayout,
+    KVCaches,
+    kv_blocks_for_memory,
+    largest_step,
+    measure_kv_blocks_on_gpu,
+)
 from replica.model_loader import ModelNotFoundError
 from replica.parallel.group import TPGroup
 from replica.parallel.sharding import num_kv_heads, shard_model
 
-if TYPE_CHECKING:
-    from replica.parallel.workers import WorkerSet
-
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Decode rows whose input token is still on the device: (row indices, token ids).
-Fill = tuple[list[int], torch.Tensor]
+
+def _attention_backend_name(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> str:
+    installed = installed_kernel_packages()
+    if device.type == "cpu" and config.attention_backend in ("auto", CPU_KERNELS) and cpu_kernels_built():
+        installed |= {CPU_KERNELS}
+    name = choose_backend(config.attention_backend, device.type, dtype, installed, triton_interpret())
+    if config.attention_backend == "auto":
+        logger.info("attention backend: %s (auto, on %s)", name, device.type)
+    return name
 
 
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """auto: bf16 where it is fast (GPUs, and CPUs with AVX512-BF16 or AMX); else fp32,
-    since a CPU without them emulates bf16 matmuls at 2-5x fp32's cost (AVX2 EPYC)."""
-    if dtype != "auto":
-        return _DTYPES[dtype]
-    if device.type != "cpu" or torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported():
-        return torch.bfloat16
-    return torch.float32
-
-
-def kv_blocks_for_gpu(total_bytes: int, utilization: float, used_bytes: int, bytes_per_block: int) -> int:
-    """Blocks for the block pool: the utilization share of the device, minus what the
-    weights, the profiled peak activations and non-torch memory (CUDA context, other
-    processes) already use, minus the one scratch block CUDA-graph padding writes to."""
-    budget = int(total_bytes * utilization) - used_bytes - bytes_per_block
-    blocks = budget // bytes_per_block
-    if blocks < 1:
-        raise ValueError(
-            f"no room for a KV cache: the model and its peak step use {used_bytes / 2**30:.2f} GiB of the "
-            f"{total_bytes * utilization / 2**30:.2f} GiB that gpu_memory_utilization={utilization} allows; "
-            "raise gpu_memory_utilization or lower max_num_batched_tokens"
+def _load_causal_lm(model_path, dtype: torch.dtype, attn_implementation: str) -> torch.nn.Module:
+    transformers_logging.disable_progress_bar()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=dtype, attn_implementation=attn_implementation
         )
-    return blocks
+    except ValueError as e:
+        raise ModelNotFoundError(f"cannot load {model_path} as a causal LM: {e}") from e
+    if not getattr(model, "_supports_attention_backend", False):
+        raise ModelNotFoundError(f"{type(model).__name__} does not support custom attention backends")
+    return model
 
 
 def _transformers_decoder(decoder: torch.nn.Module):
@@ -91,45 +83,16 @@ def _transformers_decoder(decoder: torch.nn.Module):
 
 
 class ModelRunner:
-    def __init__(
-        self,
-        config: EngineConfig,
-        model_path,
-        group: TPGroup | None = None,
-        workers: "WorkerSet | None" = None,
-    ):
-        """group: this rank's tensor-parallel group (None: the whole model here).
-        workers: on rank 0, the other ranks, which every step is sent to."""
-        self.group, self.workers = group, workers
+    def __init__(self, config: EngineConfig, model_path, group: TPGroup | None = None):
+        """group: this rank's tensor-parallel group (None: the whole model here)."""
+        self.group = group
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        installed = installed_kernel_packages()
-        if (
-            self.device.type == "cpu"
-            and config.attention_backend in ("auto", CPU_KERNELS)
-            and cpu_kernels_built()
-        ):
-            installed |= {CPU_KERNELS}
-        name = choose_backend(
-            config.attention_backend, self.device.type, self.dtype, installed, triton_interpret()
-        )
-        if config.attention_backend == "auto":
-            logger.info("attention backend: %s (auto, on %s)", name, self.device.type)
+        name = _attention_backend_name(config, self.device, self.dtype)
         self.backend = load_backend(name)
         # The engine's KV manager must use this, not config.block_size.
         self.block_size = effective_block_size(name, config.block_size)
-        attn_impl = register_backend(self.backend)
-        transformers_logging.disable_progress_bar()
-        try:
-            self.model = AutoModelForCausalLM.from_pretrained(
-                model_path, dtype=self.dtype, attn_implementation=attn_impl
-            )
-        except ValueError as e:
-            raise ModelNotFoundError(f"cannot load {model_path} as a causal LM: {e}") from e
-        if not getattr(self.model, "_supports_attention_backend", False):
-            raise ModelNotFoundError(
-                f"{type(self.model).__name__} does not support custom attention backends"
-            )
+        self.model = _load_causal_lm(model_path, self.dtype, register_backend(self.backend))
         hf = self.model.config
         # This rank's; shard before packing, on the host.
         if group is None:
@@ -158,18 +121,21 @@ class ModelRunner:
         self.num_kv_heads = kv_heads
         self.head_dim = head_dim
         self.vocab_size = hf.vocab_size
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_layout = KVCacheLayout(
+            self.backend, self.num_layers, self.block_size, kv_heads, head_dim, self.dtype, self.device
+        )
+        self.kv_caches: KVCaches = []
         self.num_blocks = config.num_kv_blocks or self._size_kv_cache(config)
         if group is not None:  # every rank's cache must hold the blocks the scheduler hands out
             self.num_blocks = group.min(self.num_blocks, self.device)
         # One block more than the pool hands out: padded rows of graph batches write there.
         self.scratch_block = self.num_blocks
-        self.kv_caches = self._allocate_kv_cache(self.num_blocks + 1)
+        self.kv_caches = self.kv_layout.allocate(self.num_blocks + 1)
         # A request must fit the whole KV cache on its own, or it could never finish.
         limits = [config.max_model_len, getattr(hf, "max_position_embeddings", None)]
         self.max_model_len = min(x for x in [*limits, self.num_blocks * self.block_size] if x)
 
-        # Set by a serving replica that pins its threads: the cores each step may use.
+        # The cores each eager step may use (use_cores); None: the process's, unpinned.
         self.cores: CorePlan | None = None
         self.graphs: DecodeGraphRunner | None = None
         if config.enable_cuda_graphs and self.device.type == "cuda":
@@ -182,8 +148,15 @@ class ModelRunner:
 
     @property
     def bytes_per_block(self) -> int:
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+        return self.kv_layout.bytes_per_block
+
+    def use_cores(self, plan: CorePlan) -> None:
+        """For a serving replica that pins its threads: each eager step runs on the
+        plan's cores for its size (a burst of prefill on more of them)."""
+        self.cores = plan
+
+    async def check_alive(self) -> None:
+        """The whole model is in this process: nothing else can be gone."""
 
     def build_graph_runner(self, max_batch: int) -> DecodeGraphRunner:
         """Padded decode over static buffers; the caller captures it (CUDA) or not (tests)."""
@@ -199,44 +172,20 @@ class ModelRunner:
 
     def _size_kv_cache(self, config: EngineConfig) -> int:
         if self.device.type != "cuda":
-            return max(1, int(config.kv_cache_memory_gb * 2**30) // self.bytes_per_block)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        free, total = torch.cuda.mem_get_info(self.device)
-        non_torch = (total - free) - torch.cuda.memory_reserved(self.device)
-        self._profile_step(config)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        torch.cuda.empty_cache()
-        blocks = kv_blocks_for_gpu(
-            total, config.gpu_memory_utilization, peak + non_torch, self.bytes_per_block
+            return kv_blocks_for_memory(config.kv_cache_memory_gb, self.bytes_per_block)
+        return measure_kv_blocks_on_gpu(
+            self.kv_layout, config.gpu_memory_utilization, lambda: self._profile_step(config)
         )
-        logger.info(
-            "KV cache: %d blocks of %d tokens (%.2f GiB); peak step %.2f GiB, non-torch %.2f GiB of %.2f GiB",
-            blocks,
-            self.block_size,
-            blocks * self.bytes_per_block / 2**30,
-            peak / 2**30,
-            non_torch / 2**30,
-            total / 2**30,
-        )
-        return blocks
 
     @torch.inference_mode()
     def _profile_step(self, config: EngineConfig) -> None:
-        """The largest step the scheduler can send: max_num_batched_tokens of prefill in
-        as few sequences as positions allow, on a throwaway cache, then logits (and their
-        softmax, standing in for the sampler) for up to max_num_seqs rows."""
+        """The largest step the scheduler can send (kv_sizing.largest_step), on a
+        throwaway cache, then logits (and their softmax, standing in for the sampler)
+        for up to max_num_seqs rows."""
         limits = [config.max_model_len, getattr(self.hf_config, "max_position_embeddings", None)]
         seq_len = min(x for x in [*limits, config.max_num_batched_tokens] if x)
-        lens = [seq_len] * (config.max_num_batched_tokens // seq_len)
-        if config.max_num_batched_tokens % seq_len:
-            lens.append(config.max_num_batched_tokens % seq_len)
-        tables, next_block = [], 0
-        for n in lens:
-            blocks = -(-n // self.block_size)
-            tables.append(list(range(next_block, next_block + blocks)))
-            next_block += blocks
-        self.kv_caches = self._allocate_kv_cache(next_block)
+        lens, tables = largest_step(config.max_num_batched_tokens, seq_len, self.block_size)
+        self.kv_caches = self.kv_layout.allocate(sum(map(len, tables)))
         try:
             token_ids = [[0] * n for n in lens]
             hidden = self._forward_packed(token_ids, lens, tables)
@@ -247,17 +196,6 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         finally:
             self.kv_caches = []
-
-    def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        shape = self.backend.kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        # zeros: on CPU the pages stay unmapped until first written.
-        return [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
-            for _ in range(self.num_layers)
-        ]
 
     def _forward(
         self,
@@ -280,17 +218,10 @@ class ModelRunner:
         rows: list[int] | None = None,
     ) -> torch.Tensor:
         """rows: the packed rows whose hidden states are wanted (None: all)."""
-        query_lens = [len(t) for t in token_ids]
-        flat = [t for row in token_ids for t in row]
-        positions = [p for ctx, q in zip(context_lens, query_lens, strict=True) for p in range(ctx - q, ctx)]
-        meta = build_metadata(block_tables, context_lens, query_lens, self.block_size, self.device)
-        input_ids = torch.tensor([flat], dtype=torch.long, device=self.device)
-        if fill is not None:  # decode rows come first, so decode row i is packed token i
-            input_ids[0, fill[0]] = fill[1]
-        position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)
+        packed = pack_inputs(token_ids, context_lens, block_tables, self.block_size, self.device, fill)
         if rows is not None:
             rows = torch.tensor(rows, dtype=torch.long, device=self.device)
-        return self._forward(input_ids, position_ids, meta, rows)
+        return self._forward(packed.input_ids, packed.position_ids, packed.meta, rows)
 
     def _share_fill(self, fill: Fill | None, fill_rows: list[int] | None) -> Fill | None:
         """Rank 0's device-held tokens, broadcast to the ranks that only know their rows."""
@@ -325,9 +256,6 @@ class ModelRunner:
         prompt_rows: packed token indices, ascending, whose logits are wanted too (prompt
         logprobs); their logits follow the sampling rows'. Such a step takes the eager
         path, whose row selection can pick any rows."""
-        if self.workers is not None:
-            rows = fill[0] if fill is not None else None
-            self.workers.execute(token_ids, context_lens, block_tables, sample_rows, rows, prompt_rows)
         if self.group is not None:
             fill = self._share_fill(fill, fill_rows)
         query_lens = [len(t) for t in token_ids]
@@ -337,13 +265,7 @@ class ModelRunner:
             hidden = self.graphs.run([t[0] for t in token_ids], context_lens, block_tables, fill)  # [n, E]
             hidden = hidden if len(sample_rows) == len(token_ids) else hidden[sample_rows]
         else:
-            last_rows = list(itertools.accumulate(query_lens))
-            rows = [last_rows[i] - 1 for i in sample_rows]
-            order = None
-            if prompt_rows:  # the fused decoder wants ascending rows: merge, then reorder
-                rows, order = _merge_rows(rows, prompt_rows)
-            if rows == list(range(last_rows[-1])):  # a decode step where every row samples
-                rows = None
+            rows, order = rows_to_keep(query_lens, sample_rows, prompt_rows)
             with self.cores.for_step(sum(query_lens)) if self.cores else contextlib.nullcontext():
                 hidden = self._forward_packed(token_ids, context_lens, block_tables, fill, rows)[0]  # [R, E]
             if order is not None:
@@ -351,11 +273,3 @@ class ModelRunner:
         if not sample_rows and not prompt_rows:
             return hidden.new_empty((0, self.vocab_size))
         return self.lm_head(hidden)
-
-
-def _merge_rows(sample_rows: list[int], prompt_rows: list[int]) -> tuple[list[int], list[int]]:
-    """Both sets of (disjoint) packed rows, ascending, and the order that puts the
-    sampling rows' hidden states first and the prompt rows' after them."""
-    merged = sorted(sample_rows + prompt_rows)
-    where = {row: i for i, row in enumerate(merged)}
-    return merged, [where[r] for r in (*sample_rows, *prompt_rows)]

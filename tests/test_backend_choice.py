@@ -10,7 +10,7 @@ from replica.attention import load_backend
 from replica.attention.select import choose_backend, effective_block_size
 from replica.config import EngineConfig
 from replica.cuda_graphs import bucket_for, graph_batch_sizes, pad_decode_batch
-from replica.model_runner import kv_blocks_for_gpu
+from replica.kv_sizing import kv_blocks_for_gpu
 
 ALL = frozenset({"triton", "flash_attn", "cpu"})
 NONE = frozenset()

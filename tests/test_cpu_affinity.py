@@ -42,7 +42,7 @@ def test_long_prefills_burst_onto_every_core_and_decodes_stay_steady(
     plan = CorePlan.resolve("auto")
     pin_process(plan.steady)
     runner = llm.engine.runner
-    runner.cores = plan
+    runner.use_cores(plan)
     seen = []  # (tokens, the engine thread's cores, torch threads) of each forward
     forward = runner._forward_packed
 

@@ -23,9 +23,9 @@ from ray.util.placement_group import PlacementGroup, get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from replica.config import EngineConfig
-from replica.model_runner import ModelRunner, resolve_device
+from replica.devices import resolve_device
+from replica.model_runner import ModelRunner
 from replica.parallel.group import TPGroup, connect_store, serve_store
-from replica.parallel.sharding import check_shardable
 
 PLACEMENT_TIMEOUT_S = 60.0
 # Steps a worker may still be running before the driver waits for the oldest one.
@@ -70,7 +70,7 @@ class TPWorker:
 class WorkerSet:
     def __init__(self, config: EngineConfig, model_path: str):
         """Place and start the workers. Their start-up joins rank 0's group, so it
-        finishes only while `run_beside` builds rank 0."""
+        finishes only while `run_beside` builds rank 0 (tp_runner.py)."""
         if not ray.is_initialized():
             ray.init(include_dashboard=False)
         world = config.tensor_parallel_size
@@ -180,18 +180,3 @@ def _release(actors: list, own_group: PlacementGroup | None) -> None:
         ray.kill(actor)
     if own_group is not None:
         ray.util.remove_placement_group(own_group)
-
-
-def start_tensor_parallel(config: EngineConfig, model_path) -> ModelRunner:
-    """Rank 0's model runner, with the other ranks started as workers beside it."""
-    from transformers import AutoConfig
-
-    check_shardable(AutoConfig.from_pretrained(model_path), config.tensor_parallel_size)  # before any work
-    workers = WorkerSet(config, model_path)
-    device = resolve_device(config.device)
-
-    def rank0() -> ModelRunner:
-        group = TPGroup.join(workers.store, 0, config.tensor_parallel_size, device)
-        return ModelRunner(config, model_path, group, workers)
-
-    return workers.run_beside(rank0)
