@@ -134,6 +134,13 @@ class KVCacheManager:
         that block was cached, even when earlier blocks fell outside the limit."""
         return self.pool.recent_hashes(limit)
 
+    def reset_prefix_cache(self, prefix_cache_queries: int, prefix_cache_hits: int) -> None:
+        """Empty the prefix cache and set its counters: the engine's warm-up forgets its
+        dummy requests' blocks and lookups, and keeps the counts of the real ones."""
+        self.pool.reset_prefix_cache()
+        self.prefix_cache_queries = prefix_cache_queries
+        self.prefix_cache_hits = prefix_cache_hits
+
     def stats(self) -> KVStats:
         return KVStats(
             num_free_blocks=self.pool.num_free_blocks,

@@ -68,5 +68,5 @@ class RequestDelta:
 def merge_samples(outputs: list[RequestOutput]) -> RequestOutput:
     """One request's n samples, each finished as a RequestOutput of its own, as one."""
     first = min(outputs, key=lambda o: o.outputs[0].index)
-    samples = sorted((o.outputs[0] for o in outputs), key=lambda c: c.index)
-    return replace(first, outputs=samples, num_cached_tokens=min(o.num_cached_tokens for o in outputs))
+    completions = sorted((o.outputs[0] for o in outputs), key=lambda c: c.index)
+    return replace(first, outputs=completions, num_cached_tokens=min(o.num_cached_tokens for o in outputs))

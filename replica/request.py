@@ -99,6 +99,25 @@ class Request:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def constrained(self) -> bool:
+        """Whether a grammar masks its logits: the mask needs its previous token, so a step
+        that samples it waits for that token (no async scheduling)."""
+        return self.matcher is not None
+
+    @property
+    def edits_logits(self) -> bool:
+        """Whether its logits are edited (a grammar or a logit bias) before sampling."""
+        return self.matcher is not None or bool(self.params.logit_bias)
+
+    def is_stop_token(self, token: int) -> bool:
+        """Whether `token` ends the request by itself: an EOS token unless ignore_eos, or
+        one of its stop_token_ids. A grammar decides where constrained output ends, so
+        it overrides the stop tokens, as it does the stop strings."""
+        if token in self.eos_token_ids and not self.params.ignore_eos:
+            return True
+        return self.matcher is None and token in self.params.stop_token_ids
+
+    @property
     def caller_id(self) -> str:
         return self.group_id if self.group_id is not None else self.request_id
 

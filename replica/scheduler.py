@@ -41,7 +41,7 @@ class ScheduledRequest:
         return self.request.token_ids[self.request.num_computed_tokens : self.context_len]
 
     @property
-    def samples(self) -> bool:
+    def produces_token(self) -> bool:
         """Whether this step completes the request's input, so a token is sampled."""
         return self.context_len == self.request.num_tokens
 

@@ -20,7 +20,7 @@ MAX_LEN = NUM_BLOCKS * BLOCK_SIZE
 def complete_step(scheduler: Scheduler, plan, token: int) -> list[Request]:
     """What the engine does once a planned step has run: every request it samples gets
     `token`, and those at max_tokens finish. Returns the finished requests."""
-    sampling = [s.request for s in plan.scheduled if s.samples]
+    sampling = [s.request for s in plan.scheduled if s.produces_token]
     scheduler.advance(plan)
     finished = []
     for request in sampling:

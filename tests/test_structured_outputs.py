@@ -172,4 +172,4 @@ def test_aborting_n_samples_frees_everything(llm):
         engine.step()
     assert engine.kv.num_free_blocks == engine.kv.stats().num_total_blocks
     assert engine.sampling.num_slots_in_use == 0
-    assert not engine._groups and not engine._deferred
+    assert not engine._groups

@@ -25,6 +25,11 @@ class Backend:
     # Decode reads only metadata tensors (no host-built masks, no Python lists), so a
     # decode step can be captured once and replayed with new tensor contents.
     graph_safe: bool
+    # Sampling kernels for the backend's device, None where torch's ops serve (see
+    # replica/sampler.py): logits [B, V] -> tokens [B], and (logits, temperatures [B],
+    # draws [B, 1]) -> tokens [B].
+    argmax: Callable | None = None
+    temperature_sample: Callable | None = None
 
 
 def load_backend(name: str) -> Backend:
@@ -32,9 +37,16 @@ def load_backend(name: str) -> Backend:
         # Its decode mask is built on the host and it gathers whole block tables: not graphed.
         return Backend("torch", torch_paged_attention, kv_cache_shape, graph_safe=False)
     if name == "cpu":
-        from replica.attention.cpu_backend import cpu_paged_attention
+        from replica.attention import cpu_backend
 
-        return Backend("cpu", cpu_paged_attention, kv_cache_shape, graph_safe=False)
+        return Backend(
+            "cpu",
+            cpu_backend.cpu_paged_attention,
+            kv_cache_shape,
+            graph_safe=False,
+            argmax=cpu_backend.argmax,
+            temperature_sample=cpu_backend.temperature_sample,
+        )
     if name == "triton":
         from replica.attention.triton_backend import triton_paged_attention
 

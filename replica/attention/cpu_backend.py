@@ -12,6 +12,11 @@ import torch
 from replica.attention.context import get_forward_context
 from replica.cpu import ops
 
+# The sampling kernels the engine takes from this backend: they read bf16 logits without
+# widening them to fp32 first.
+argmax = ops.argmax
+temperature_sample = ops.sample
+
 
 def cpu_paged_attention(
     module: torch.nn.Module,
