@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.machine import machine  # noqa: E402
 from kvcache import KVCacheManager  # noqa: E402
+from replica.wire import ReplicaReport  # noqa: E402
 from router import kv_router  # noqa: E402
 from router.kv_router import ReplicaView, RoutedRequest, blocks_needed, placement  # noqa: E402
 
@@ -151,21 +152,31 @@ def behaviour(old: bool) -> Iterator[None]:
         yield
 
 
-def report(kv: KVCacheManager, s: Scenario) -> dict:
-    """The fields of replica/deployment.py's `_build_report` that the router reads.
+def report(kv: KVCacheManager, s: Scenario) -> ReplicaReport:
+    """An idle replica's report (replica/deployment.py's `_build_report`) over `kv`.
     Requests get all their blocks at once here, so none are pending."""
     stats = kv.stats()
-    return {
-        "block_size": kv.block_size,
-        "max_model_len": s.max_model_len,
-        "max_waiting": None,
-        "num_free_blocks": stats.num_free_blocks,
-        "num_total_blocks": stats.num_total_blocks,
-        "num_pending_blocks": 0,
-        "num_waiting": 0,
-        "cached_block_hashes": kv.cached_prefix_summary(s.reported),
-        "age_s": 0.0,
-    }
+    return ReplicaReport(
+        node_id="node",
+        deployment="LLMServer",
+        device="cpu",
+        tensor_parallel_size=1,
+        block_size=kv.block_size,
+        max_model_len=s.max_model_len,
+        max_waiting=None,
+        num_free_blocks=stats.num_free_blocks,
+        num_total_blocks=stats.num_total_blocks,
+        kv_cache_usage=stats.usage,
+        prefix_cache_queries=stats.prefix_cache_queries,
+        prefix_cache_hits=stats.prefix_cache_hits,
+        num_running=0,
+        num_waiting=0,
+        num_pending_blocks=0,
+        num_preemptions=0,
+        cpu_affinity=[],
+        torch_threads=1,
+        cached_block_hashes=kv.cached_prefix_summary(s.reported),
+    )
 
 
 def simulate(s: Scenario, stream: list[tuple[list[int], list[int], int]], old: bool) -> Run:

@@ -11,25 +11,28 @@ For each request it ranks replicas by
 2. whether it fits: free KV blocks, less what the replica's own requests will still
    take, must cover the request's prompt (less its cached prefix) and its max_tokens;
 3. then least cost, in KV blocks, as Dynamo's and llm-d's routers score: the load the
-   replica already carries (blocks its requests hold or will still take) plus the
-   prompt blocks it would have to prefill, which a cached prefix reduces. A shared
-   system prompt therefore attracts requests only while the replica holding it is not
-   busier by more than the prefill it saves;
+   replica carries (blocks its requests hold or will still take) plus the prompt
+   blocks it would have to prefill, which a cached prefix reduces. A shared system
+   prompt therefore attracts requests only while the replica holding it is not busier
+   by more than the prefill it saves;
 4. among replicas with equal keys, one at random comes first (and the rest next),
    so that the router knows where the request will go (see below).
 
-The snapshot is up to ~200 ms old, and a request routed just before a report may not
-have reached the engine yet, so the router also keeps its own account of each
-replica's load: the blocks it promised since the replica's last report, and the blocks
-of its requests still in flight there (until Serve reports them completed). A
-replica's load is the larger of the reported load plus the recent promises and the
-router's in-flight blocks. Serve asks for rankings of a burst's requests before it has
-routed any of them, so each ranking also reserves the request's blocks on the replica
-it puts first, until Serve routes a request there (or half a second passes): a burst
-spreads out instead of piling onto whichever replica looked emptiest. Ties are broken
-here rather than by Serve for the same reason: Serve's queue lengths do not change
-while it ranks a burst either, so it broke every tie of a burst the same way and sent
-5 or 6 of 8 equal requests to one of 2 idle replicas (bench/serving.py, bursts).
+A replica's load is its last report's load plus what it owes: the blocks of this
+router's requests that its last report does not show as they are now. Traffic does not
+wait for a report: the snapshot is up to ~200 ms old, and Serve asks for the rankings
+of a whole burst before it routes any of it. So a request's blocks are owed by the
+replica that its ranking puts first, from that moment; by the replica Serve routes it
+to, once routed (the same blocks, moved, not added); and no longer once a report built
+after it arrived there (ARRIVAL_MARGIN_S after routing) carries them. When Serve says
+it completed, a report that carries it still holds blocks it has freed: until a report
+built after the completion comes in, the request owes them back, a negative amount
+(owed_blocks), so that a burst sent as soon as the last one ended finds that replica as
+empty as one that reported after its requests ended. A ranked request that Serve never
+routes, or a completed one that no later report reaches, stops counting after
+OWED_TTL_S. Ties are broken here rather than by Serve for the same reason: Serve's
+queue lengths do not change while it ranks a burst either, so it would break every tie
+of a burst the same way and pile the burst onto one replica.
 
 Without a snapshot (coordinator gone, replica not yet heard from, or a text prompt the
 router cannot hash) it falls back to power-of-two choices.
@@ -40,13 +43,14 @@ import logging
 import random
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from kvcache.hashing import hash_full_blocks
 from kvcache.kv_manager import cdiv
+from replica.wire import GenerateRequest, ReplicaReport
 from router.coordinator import follow_snapshots
 
 logger = logging.getLogger("ray.serve")
@@ -54,8 +58,9 @@ logger = logging.getLogger("ray.serve")
 REFRESH_INTERVAL_S = 0.1
 # A request routed less than this long before a report may not have reached the engine yet.
 ARRIVAL_MARGIN_S = 0.05
-DEBIT_TTL_S = 5.0
-RESERVATION_TTL_S = 0.5
+# A ranked request that Serve never routes, or a completed one no later report reaches,
+# stops counting after this long.
+OWED_TTL_S = 5.0
 
 
 @dataclass
@@ -71,23 +76,66 @@ class ReplicaView:
     accepting: bool = True  # False while its waiting queue is at max_waiting
 
     @classmethod
-    def from_report(cls, report: dict, asked_at: float) -> "ReplicaView":
+    def from_report(cls, report: ReplicaReport, asked_at: float) -> "ReplicaView":
         """asked_at: when this router asked for the report (time.monotonic())."""
         return cls(
-            block_size=report["block_size"],
-            max_model_len=report["max_model_len"],
-            free_blocks=report["num_free_blocks"] - report["num_pending_blocks"],
-            total_blocks=report["num_total_blocks"],
-            cached_hashes=frozenset(report["cached_block_hashes"]),
-            reported_at=asked_at - report["age_s"],
-            accepting=report.get("max_waiting") is None or report["num_waiting"] < report["max_waiting"],
+            block_size=report.block_size,
+            max_model_len=report.max_model_len,
+            free_blocks=report.num_free_blocks - report.num_pending_blocks,
+            total_blocks=report.num_total_blocks,
+            cached_hashes=frozenset(report.cached_block_hashes),
+            reported_at=asked_at - report.age_s,
+            accepting=report.accepting,
         )
+
+    @property
+    def load_blocks(self) -> int:
+        """Blocks its requests hold or will still take, as reported."""
+        return self.total_blocks - self.free_blocks
 
 
 @dataclass
-class Debit:
-    routed_at: float
-    blocks: int
+class OwedRequest:
+    """One request of this router's, in the account of what a replica owes."""
+
+    replica_id: str  # ranked first there, or routed there
+    blocks: int  # what it may take there (blocks_needed)
+    cached_blocks: int  # prompt blocks it found cached there, which it may share
+    since: float  # when it was ranked or routed there: time.monotonic()
+    routed: bool = False
+    completed_at: float | None = None  # when Serve said it completed
+
+    def in_report(self, reported_at: float) -> bool:
+        """Whether a report built at reported_at carries its blocks."""
+        arrived = self.routed and reported_at > self.since + ARRIVAL_MARGIN_S
+        return arrived and (self.completed_at is None or reported_at < self.completed_at)
+
+    def settled(self, reported_at: float, now: float) -> bool:
+        """Nothing more to owe: reported after its completion, or forgotten after the TTL.
+        A routed request that has not completed stays: Serve reports every completion."""
+        if self.completed_at is not None:
+            return reported_at >= self.completed_at or self.completed_at < now - OWED_TTL_S
+        return not self.routed and self.since < now - OWED_TTL_S
+
+
+def owed_blocks(requests: Iterable[OwedRequest], view: ReplicaView) -> int:
+    """What the replica owes beyond its last report's load, in blocks: the blocks of
+    requests that the report does not carry yet, less those that completed requests it
+    carries have freed. A completed request frees its own blocks, and its cached prefix
+    too once none of the requests that the report carries still runs there (the prefix
+    may be shared with them); never more, all together, than the report's load."""
+    ahead = freed_own = freed_with_prefix = 0
+    still_running = False
+    for request in requests:
+        if not request.in_report(view.reported_at):
+            ahead += request.blocks if request.completed_at is None else 0
+        elif request.completed_at is None:
+            still_running = True
+        else:
+            freed_own += request.blocks
+            freed_with_prefix += request.blocks + request.cached_blocks
+    freed = freed_own if still_running else freed_with_prefix
+    return ahead - min(freed, max(view.load_blocks, 0))
 
 
 def cached_prefix_blocks(prompt_hashes: Sequence[bytes], view: ReplicaView) -> int:
@@ -105,8 +153,17 @@ def cached_prefix_blocks(prompt_hashes: Sequence[bytes], view: ReplicaView) -> i
 class RoutedRequest:
     prompt: list[int]
     max_tokens: int | None
-    samples: int = 1  # n: each sample shares the prompt's full blocks, then grows its own
+    n: int = 1  # samples: each shares the prompt's full blocks, then grows its own
     _block_hashes: dict[int, list[bytes]] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def of(cls, request: GenerateRequest) -> "RoutedRequest | None":
+        """None for a text prompt, which the router cannot hash (the ingress always
+        sends token ids)."""
+        prompt = request.prompt
+        if not (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
+            return None
+        return cls(prompt, request.sampling.max_tokens, request.sampling.n)
 
     def block_hashes(self, block_size: int) -> list[bytes]:
         """The prompt's chained block hashes, computed once per block size however many
@@ -126,14 +183,14 @@ def blocks_needed(request: RoutedRequest, view: ReplicaView) -> tuple[int, int]:
     prompt_len = len(request.prompt)
     room = max(0, view.max_model_len - prompt_len)
     final_blocks = cdiv(prompt_len + min(request.max_tokens or room, room), view.block_size)
-    return final_blocks - hits + (request.samples - 1) * (final_blocks - len(hashes)), hits
+    return final_blocks - hits + (request.n - 1) * (final_blocks - len(hashes)), hits
 
 
-def net_free_blocks(request: RoutedRequest, view: ReplicaView, promised_blocks: int) -> tuple[int, int]:
+def net_free_blocks(request: RoutedRequest, view: ReplicaView, owed: int) -> tuple[int, int]:
     """(free blocks left once this request has all it may take, leading prompt blocks
     already cached)."""
     need, hits = blocks_needed(request, view)
-    return view.free_blocks - promised_blocks - need, hits
+    return view.free_blocks - owed - need, hits
 
 
 @dataclass(frozen=True)
@@ -149,14 +206,11 @@ class Placement:
         return (self.accepting, self.fits, -self.cost_blocks)
 
 
-def placement(
-    request: RoutedRequest, view: ReplicaView, promised_blocks: int, in_flight_blocks: int = 0
-) -> Placement:
-    """in_flight_blocks: what this router's own unfinished requests there may take."""
-    net_free, hits = net_free_blocks(request, view, promised_blocks)
-    load = max(view.total_blocks - view.free_blocks + promised_blocks, in_flight_blocks)
+def placement(request: RoutedRequest, view: ReplicaView, owed: int) -> Placement:
+    """owed: what the replica owes beyond its report (owed_blocks)."""
+    net_free, hits = net_free_blocks(request, view, owed)
     prefill = cdiv(len(request.prompt), view.block_size) - hits
-    return Placement(view.accepting, net_free >= 0, load + prefill)
+    return Placement(view.accepting, net_free >= 0, view.load_blocks + owed + prefill)
 
 
 def group_ranks(keys: dict[ReplicaID, tuple]) -> list[list[ReplicaID]]:
@@ -168,17 +222,13 @@ def group_ranks(keys: dict[ReplicaID, tuple]) -> list[list[ReplicaID]]:
 
 
 def routed_request(pending_request: PendingRequest | None) -> RoutedRequest | None:
-    """The token ids, max_tokens and n of an `LLMServer.generate(prompt, params)` call,
-    if the prompt came as token ids (the ingress always sends them)."""
+    """The prompt, max_tokens and n of an `LLMServer.generate(request)` call, if the
+    prompt came as token ids."""
     if pending_request is None:
         return None
     args, kwargs = pending_request.args, pending_request.kwargs
-    prompt = args[0] if args else kwargs.get("prompt")
-    params = args[1] if len(args) > 1 else kwargs.get("params")
-    if not (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
-        return None
-    params = params or {}
-    return RoutedRequest(prompt, params.get("max_tokens"), params.get("n") or 1)
+    request = args[0] if args else kwargs.get("request")
+    return RoutedRequest.of(request) if isinstance(request, GenerateRequest) else None
 
 
 class KVAwareRouter(RequestRouter):
@@ -191,11 +241,8 @@ class KVAwareRouter(RequestRouter):
         self._coordinator_address = tuple(coordinator) if coordinator else None
         self._refresh_interval_s = refresh_interval_s
         self._views: dict[str, ReplicaView] = {}
-        self._debits: dict[str, list[Debit]] = defaultdict(list)
-        # replica -> {Serve's internal request id: blocks the request may take}
-        self._in_flight: dict[str, dict[str, int]] = defaultdict(dict)
-        # replica -> blocks of requests ranked first there and not yet routed, oldest first
-        self._reserved: dict[str, list[Debit]] = defaultdict(list)
+        # Serve's internal request id -> the request's place in what a replica owes
+        self._owed: dict[str, OwedRequest] = {}
         self._refresher: asyncio.Task | None = None
 
     async def choose_replicas(
@@ -203,67 +250,60 @@ class KVAwareRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         self._start_refresher()
         try:
-            ranks = self._rank(candidate_replicas, pending_request)
+            by_id = {r.replica_id: r for r in candidate_replicas}
+            ranks = self.rank(list(by_id), pending_request)
         except Exception:  # an exception here would leave the request unrouted for good
             logger.exception("KV router: ranking failed, routing by power of two")
             ranks = None
-        return ranks or [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
-
-    def _rank(
-        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None
-    ) -> list[list[RunningReplica]] | None:
-        """Ranks of replicas, best first; None without a request or a view of every replica."""
-        request = routed_request(pending_request)
-        views = {r.replica_id: self._views.get(r.replica_id.unique_id) for r in candidate_replicas}
-        if request is None or not views or any(v is None for v in views.values()):
-            return None
-        keys = {}
-        for replica_id, view in views.items():
-            rid = replica_id.unique_id
-            in_flight = sum(self._in_flight.get(rid, {}).values()) + self._reserved_blocks(rid)
-            keys[replica_id] = placement(request, view, self._promised_blocks(rid), in_flight).key
-        ranks = group_ranks(keys)
-        # The router breaks a tie itself, so that it knows which replica to reserve on:
-        # left to Serve, every request of a burst could break it the same way.
-        first_id = random.choice(ranks[0])
-        ties = [i for i in ranks[0] if i != first_id]
-        ranks = [[first_id]] + ([ties] if ties else []) + ranks[1:]
-        blocks = blocks_needed(request, views[first_id])[0]
-        self._reserved[first_id.unique_id].append(Debit(time.monotonic(), blocks))
-        by_id = {r.replica_id: r for r in candidate_replicas}
+        if not ranks:
+            return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
         return [[by_id[i] for i in rank] for rank in ranks]
 
-    def _reserved_blocks(self, replica_id: str) -> int:
-        reserved = self._reserved.get(replica_id)
-        if not reserved:
-            return 0
-        cutoff = time.monotonic() - RESERVATION_TTL_S
-        reserved[:] = [r for r in reserved if r.routed_at > cutoff]
-        return sum(r.blocks for r in reserved)
+    def rank(
+        self, replica_ids: list[ReplicaID], pending_request: PendingRequest | None
+    ) -> list[list[ReplicaID]] | None:
+        """Ranks of replicas, best first, the first of them alone; None without a request
+        or a view of every replica. The request is owed by the first from now on."""
+        request = routed_request(pending_request)
+        views = {i: self._views.get(i.unique_id) for i in replica_ids}
+        if request is None or not views or any(v is None for v in views.values()):
+            return None
+        internal_id = pending_request.metadata.internal_request_id
+        self._owed.pop(internal_id, None)  # ranked again (Serve retries): counted afresh
+        owed = self._owed_by_replica()
+        keys = {i: placement(request, view, owed.get(i.unique_id, 0)).key for i, view in views.items()}
+        ranks = group_ranks(keys)
+        # The router breaks a tie itself, so that it knows which replica owes the request:
+        # left to Serve, every request of a burst could break it the same way.
+        first = random.choice(ranks[0])
+        ties = [i for i in ranks[0] if i != first]
+        blocks, cached = blocks_needed(request, views[first])
+        self._owed[internal_id] = OwedRequest(first.unique_id, blocks, cached, time.monotonic())
+        return [[first]] + ([ties] if ties else []) + ranks[1:]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        internal_id = pending_request.metadata.internal_request_id
+        self._owed.pop(internal_id, None)  # owed by the replica it went to instead
         request = routed_request(pending_request)
         view = self._views.get(replica_id.unique_id)
-        if request is None or view is None:
-            return
-        blocks = blocks_needed(request, view)[0]
-        self._debits[replica_id.unique_id].append(Debit(time.monotonic(), blocks))
-        self._in_flight[replica_id.unique_id][pending_request.metadata.internal_request_id] = blocks
-        reserved = self._reserved.get(replica_id.unique_id)
-        if reserved:  # the request is now in flight there: its reservation (or a peer's) ends
-            reserved.pop(0)
+        if request is not None and view is not None:
+            blocks, cached = blocks_needed(request, view)
+            self._owed[internal_id] = OwedRequest(
+                replica_id.unique_id, blocks, cached, time.monotonic(), routed=True
+            )
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        requests = self._in_flight.get(replica_id.unique_id)
-        if requests is not None:
-            requests.pop(internal_request_id, None)
-            if not requests:
-                del self._in_flight[replica_id.unique_id]
+        """Also called for a replica that refused the request (it is then not routed there)."""
+        owed = self._owed.get(internal_request_id)
+        if owed is not None and owed.routed and owed.replica_id == replica_id.unique_id:
+            owed.completed_at = time.monotonic()
 
-    def _promised_blocks(self, replica_id: str) -> int:
-        """Blocks routed to the replica that its last report cannot include yet."""
-        horizon = self._views[replica_id].reported_at - ARRIVAL_MARGIN_S
-        return sum(d.blocks for d in self._debits.get(replica_id, ()) if d.routed_at > horizon)
+    def _owed_by_replica(self) -> dict[str, int]:
+        """owed_blocks of every replica with a view."""
+        requests: dict[str, list[OwedRequest]] = defaultdict(list)
+        for owed in self._owed.values():
+            requests[owed.replica_id].append(owed)
+        return {rid: owed_blocks(requests[rid], view) for rid, view in self._views.items()}
 
     def _start_refresher(self) -> None:
         if self._refresher is None and self._coordinator_address is not None:
@@ -274,18 +314,12 @@ class KVAwareRouter(RequestRouter):
             self._coordinator_address, self._refresh_interval_s, self._use_snapshot, "routing by power of two"
         )
 
-    def _use_snapshot(self, snapshot: dict[str, dict], asked_at: float) -> None:
+    def _use_snapshot(self, snapshot: dict[str, ReplicaReport], asked_at: float) -> None:
         """An empty snapshot (coordinator gone) drops the views: routing falls back at once."""
         self._views = {rid: ReplicaView.from_report(r, asked_at) for rid, r in snapshot.items()}
-        self._expire_debits()
-
-    def _expire_debits(self) -> None:
-        cutoff = time.monotonic() - DEBIT_TTL_S
-        for replica_id in list(self._debits):
-            view = self._views.get(replica_id)
-            horizon = cutoff if view is None else max(cutoff, view.reported_at - ARRIVAL_MARGIN_S)
-            kept = [d for d in self._debits[replica_id] if d.routed_at > horizon]
-            if kept:
-                self._debits[replica_id] = kept
-            else:
-                del self._debits[replica_id]
+        now = time.monotonic()
+        for internal_id, owed in list(self._owed.items()):
+            view = self._views.get(owed.replica_id)
+            reported_at = view.reported_at if view is not None else float("-inf")
+            if owed.settled(reported_at, now):
+                del self._owed[internal_id]
