@@ -38,6 +38,7 @@ from ray import serve  # noqa: E402
 
 from bench.machine import machine  # noqa: E402
 from deployments.app import build_app  # noqa: E402
+from replica.wire import ReplicaReport  # noqa: E402
 from router.coordinator import coordinator_address  # noqa: E402
 
 MODEL = "chaos-model"
@@ -84,7 +85,7 @@ class ChaosReport:
         return None if None in times or not times else max(times)
 
 
-def snapshot(app: str) -> dict[str, dict]:
+def snapshot(app: str) -> dict[str, ReplicaReport]:
     namespace, name = coordinator_address(app)
     try:
         return ray.get(ray.get_actor(name, namespace=namespace).snapshot.remote(), timeout=5)
@@ -263,7 +264,7 @@ def run_chaos(
         def all_free() -> bool:
             replicas_now = snapshot(app)
             idle = [
-                s["num_free_blocks"] == s["num_total_blocks"] and not (s["num_running"] or s["num_waiting"])
+                s.num_free_blocks == s.num_total_blocks and not (s.num_running or s.num_waiting)
                 for s in replicas_now.values()
             ]
             return len(idle) == replicas and all(idle)

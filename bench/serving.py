@@ -183,7 +183,7 @@ class App:
     def totals(self) -> dict:
         snapshot = ray.get(self.coordinator.snapshot.remote())
         keys = ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits")
-        return {k: sum(s[k] for s in snapshot.values()) for k in keys}
+        return {k: sum(getattr(s, k) for s in snapshot.values()) for k in keys}
 
     def close(self) -> None:
         serve.delete(self.name)

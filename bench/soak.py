@@ -35,6 +35,7 @@ from ray import serve  # noqa: E402
 
 from bench.machine import machine  # noqa: E402
 from deployments.app import GRPC_SERVICER, build_app  # noqa: E402
+from replica.wire import ReplicaReport  # noqa: E402
 from router.coordinator import coordinator_address  # noqa: E402
 from router.protos import kvserve_pb2 as pb  # noqa: E402
 from router.protos import kvserve_pb2_grpc as pb_grpc  # noqa: E402
@@ -206,16 +207,16 @@ def rss_mb(pids: dict[str, int]) -> dict[str, float]:
     return {name: psutil.Process(pid).memory_info().rss / 2**20 for name, pid in pids.items()}
 
 
-def kv_snapshot() -> dict:
+def kv_snapshot() -> dict[str, ReplicaReport]:
     namespace, name = coordinator_address(APP)
     return ray.get(ray.get_actor(name, namespace=namespace).snapshot.remote())
 
 
-def wait_idle(timeout_s: float = 60) -> dict:
+def wait_idle(timeout_s: float = 60) -> dict[str, ReplicaReport]:
     deadline = time.monotonic() + timeout_s
     while True:
         snapshot = kv_snapshot()
-        idle = all(not s["num_running"] and not s["num_waiting"] for s in snapshot.values())
+        idle = all(not s.num_running and not s.num_waiting for s in snapshot.values())
         if (idle and len(snapshot) == 2) or time.monotonic() > deadline:
             return snapshot
         time.sleep(0.5)
@@ -264,7 +265,7 @@ def main() -> None:
     by_protocol = collections.Counter(o["protocol"] for o in outcomes)
     valid = [o for o in outcomes if o["kind"] == "valid"]
     valid_ok = sum(classify(o) in ("completed", "clean_error") for o in valid)
-    free = {r: (s["num_free_blocks"], s["num_total_blocks"]) for r, s in final.items()}
+    free = {r: (s.num_free_blocks, s.num_total_blocks) for r, s in final.items()}
     result = {
         "machine": machine(platform=platform.platform(), ray=ray.__version__),
         "config": {**vars(args), "out": str(args.out), "replicas": 2, "engine_args": engine_args},

@@ -12,8 +12,8 @@ from ray.serve.config import (
 )
 
 from deployments.autoscaling import KVPressurePolicy
+from replica.chat_template import default_chat_template, load_chat_template
 from replica.deployment import LLMServer
-from replica.llm import default_chat_template, load_chat_template
 from replica.model_loader import BUNDLED_NAME, is_hub_id
 from replica.parallel.workers import replica_bundles
 from replica.versions import running_versions

@@ -26,9 +26,9 @@ import pyarrow.parquet as pq
 import ray
 from tqdm import tqdm
 
+from replica.chat_template import chat_prompt_ids
 from replica.config import EngineConfig
 from replica.engine import Engine
-from replica.llm import chat_prompt_ids
 from replica.sampling_params import SamplingParams
 
 SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}

@@ -395,12 +395,11 @@ class _Server:
             print(f"kvserve: error: {e}", file=sys.stderr)
             return 2
         # Ray Serve's own throughput settings (user code on the replica's main event loop,
-        # buffered access logs, gRPC between handles, GC frozen after start-up): on a 2-core
-        # machine, 137 -> 149 output tok/s under `vllm bench serve` at concurrency 16 (a
-        # one-off check, one run each, not a committed benchmark). Every Serve process reads
-        # it, so it goes to the local Ray this starts and to the job's workers.
-        # Direct ingress stays off: Serve's proxy still answered on our ports with it on, and
-        # its 30 s draining period held up shutdown.
+        # buffered access logs, gRPC between handles, GC frozen after start-up) take per-request
+        # overhead off the few cores a CPU replica has. Every Serve process reads them, so they
+        # go to the local Ray this starts and to the job's workers. Direct ingress stays off:
+        # with it, Serve's proxy still answers on our ports, and its 30 s draining period
+        # holds up shutdown.
         serve_env = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
         serve_env = {name: os.environ.get(name, value) for name, value in serve_env.items()}
         os.environ.update(serve_env)

@@ -12,27 +12,24 @@ from transformers import AutoTokenizer
 from kvcache import KVCacheManager, KVStats
 from replica.config import EngineConfig
 from replica.constraints import GrammarCompiler, apply_logit_bias
-from replica.cpu import ops as cpu_ops
+from replica.cpu.affinity import CorePlan
 from replica.detokenizer import IncrementalDetokenizer
 from replica.model_loader import resolve_model
 from replica.model_runner import ModelRunner
 from replica.outputs import RequestDelta, TokenLogprob
 from replica.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs, plan_prompt_rows
 from replica.request import PENDING, FinishReason, Request
+from replica.sample_group import SampleGroup
 from replica.sampler import SamplerOutput, sample, torch_argmax
 from replica.sampling_params import SamplingParams
 from replica.sampling_state import SamplingState
 from replica.scheduler import Scheduler
 
+# The errors cross to the ingress (wire.py); EngineStepError is imported for the callers
+# that know it as replica.engine.EngineStepError.
+from replica.wire import EngineStepError, QueueFullError  # noqa: F401
+
 logger = logging.getLogger(__name__)
-
-
-class QueueFullError(RuntimeError):
-    """The waiting queue is at max_waiting; the caller should retry elsewhere or later."""
-
-
-class EngineStepError(RuntimeError):
-    """A step failed, and with it every request it served; another replica may go on."""
 
 
 @dataclass
@@ -62,9 +59,9 @@ class Engine:
         if config.tensor_parallel_size == 1:
             self.runner = ModelRunner(config, self.model_path)
         else:
-            from replica.parallel.workers import start_tensor_parallel  # Ray, only where needed
+            from replica.parallel.tp_runner import TensorParallelRunner  # Ray, only where needed
 
-            self.runner = start_tensor_parallel(config, self.model_path)
+            self.runner = TensorParallelRunner(config, self.model_path)
         # The attention backend may change the block size (flash-attn pages are multiples of
         # 256); everything downstream (KV manager, stats, routing) uses the runner's.
         self.config = config = replace(config, block_size=self.runner.block_size)
@@ -76,8 +73,9 @@ class Engine:
         self.eos_token_ids = _eos_ids(self.runner.model.generation_config, self.tokenizer)
         self._requests: dict[str, Request] = {}
         self.sampling = SamplingState(config.max_num_seqs, self.runner.vocab_size, self.runner.device)
-        self._argmax = cpu_ops.argmax if self.runner.backend.name == "cpu" else torch_argmax
-        self._temperature_sample = cpu_ops.sample if self.runner.backend.name == "cpu" else None
+        # The backend's sampling kernels where it has them (the CPU one reads bf16 logits).
+        self._argmax = self.runner.backend.argmax or torch_argmax
+        self._temperature_sample = self.runner.backend.temperature_sample
         # Overlap host work with the device's: worth it where they are separate (CUDA).
         self.async_scheduling = (
             config.async_scheduling
@@ -87,13 +85,7 @@ class Engine:
         self._in_flight: _InFlight | None = None
         self._ids = itertools.count()
         self._grammars: GrammarCompiler | None = None  # built by the first constrained request
-        self._num_edited = 0  # live requests whose logits are edited (grammar or logit_bias)
-        self._num_constrained = 0  # of which with a grammar
-        self._num_prompt_logprobs = 0  # live requests that asked for prompt logprobs
-        # n > 1: the caller's id -> its samples not yet finished, and the samples waiting
-        # for the first one's prefill, keyed by the first one's id.
-        self._groups: dict[str, set[str]] = {}
-        self._deferred: dict[str, list[Request]] = {}
+        self._groups: dict[str, SampleGroup] = {}  # n > 1, by the caller's id
 
     def add_request(
         self,
@@ -121,9 +113,8 @@ class Engine:
         resume_token_ids: list[int] = (),
         priority: int = 0,
     ) -> str:
-        """With n > 1 the samples are requests of their own. Only the first is scheduled
-        at once; the others follow when its prefill is done, so that they find the
-        prompt's blocks in the prefix cache instead of prefilling it again."""
+        """With n > 1 the samples are requests of their own, in a SampleGroup: only the
+        first is scheduled at once, the others once its prefill has cached the prompt."""
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenizer(prompt).input_ids
         else:
@@ -155,8 +146,7 @@ class Engine:
             )
             for i in range(params.n)
         ]
-        self._groups[request_id] = {r.request_id for r in samples}
-        self._deferred[samples[0].request_id] = samples[1:]
+        self._groups[request_id] = SampleGroup.of(request_id, samples)
         self._admit(samples[0])
         return request_id
 
@@ -210,10 +200,8 @@ class Engine:
                 f"resume_token_ids has {len(output_ids)} tokens; max_tokens is {request.max_tokens}"
             )
         draws = request.generator is not None and not request.params.greedy
-        stops = request.params.stop_token_ids or []
-        eos = request.eos_token_ids if not request.params.ignore_eos else ()
         for token in output_ids:
-            if request.detokenizer.add_token(token).stopped or token in eos or token in stops:
+            if request.detokenizer.add_token(token).stopped or request.is_stop_token(token):
                 raise ValueError("resume_token_ids already end the request (a stop string or token)")
             if request.matcher is not None and not request.matcher.consume_token(token):
                 raise ValueError(f"resume_token_ids: the grammar rejects token {token}")
@@ -224,10 +212,6 @@ class Engine:
     def _admit(self, request: Request) -> None:
         self._requests[request.request_id] = request
         self.scheduler.add(request)
-        if request.matcher is not None or request.params.logit_bias:
-            self._num_edited += 1
-            self._num_constrained += request.matcher is not None
-        self._num_prompt_logprobs += request.params.prompt_logprobs is not None
 
     def warm_up(self, num_tokens: int = 256) -> None:
         """Run a prefill of about num_tokens over two dummy requests and a few decode
@@ -236,7 +220,7 @@ class Engine:
         forget them: the prefix cache is emptied and its counters are left as they were."""
         if self.has_unfinished():
             raise RuntimeError("warm_up runs while no request is in the engine")
-        counters = self.kv.prefix_cache_queries, self.kv.prefix_cache_hits
+        before = self.kv.stats()
         prompt_len = max(1, min(num_tokens // 2, self.max_model_len - 4))
         vocab = self.runner.vocab_size
         for i, temperature in enumerate((0.0, 1.0)):
@@ -245,17 +229,15 @@ class Engine:
             self._add(prompt, params, f"kvserve-warm-up-{i}")  # past max_waiting, which may be 0
         while self.has_unfinished():
             self.step()
-        self.kv.pool.reset_prefix_cache()
-        self.kv.prefix_cache_queries, self.kv.prefix_cache_hits = counters
+        self.kv.reset_prefix_cache(before.prefix_cache_queries, before.prefix_cache_hits)
 
     def abort(self, request_id: str) -> bool:
         """request_id: the caller's; with n > 1 it aborts every sample."""
-        ids = self._groups.get(request_id) or {request_id}
+        group = self._groups.get(request_id)
+        ids = group.unfinished if group is not None else {request_id}
         requests = [self._requests[i] for i in list(ids) if i in self._requests]
-        for request in requests:
-            self._deferred.pop(request.request_id, None)
+        for request in requests:  # the group goes with its last sample
             self._finish(request, FinishReason.ABORT)
-        self._groups.pop(request_id, None)
         return bool(requests)
 
     def has_unfinished(self) -> bool:
@@ -266,7 +248,10 @@ class Engine:
         requests produced. With async scheduling, the step returns what the *previous*
         launch sampled: it launches its own work first and reads the previous tokens while
         the device runs it, so the device never waits for the host between steps."""
-        if self.async_scheduling and not self._num_constrained:
+        # A grammar masks a request's logits after consuming its previous token, so while a
+        # running request is constrained the step reads the tokens in flight first. A waiting
+        # one has none in flight, and it is running by the step that launches its second.
+        if self.async_scheduling and not any(r.constrained for r in self.scheduler.running):
             launched = self._launch()
             previous, self._in_flight = self._in_flight, launched
             return self._complete(previous) if previous is not None else []
@@ -285,7 +270,7 @@ class Engine:
         # The runner wants decode rows (one new token) first.
         items = sorted(plan.scheduled, key=lambda s: s.num_new_tokens != 1)
         token_ids = [s.new_token_ids for s in items]
-        sample_rows = [i for i, s in enumerate(items) if s.samples]
+        sample_rows = [i for i, s in enumerate(items) if s.produces_token]
         # A decode row whose input is the previous launch's sampled token (async only)
         # reads it on the device: (its row here, its row in the previous SamplerOutput).
         pending = [(i, s.request.pending_row) for i, s in enumerate(items) if token_ids[i] == [PENDING]]
@@ -295,7 +280,7 @@ class Engine:
             device = self.runner.device
             previous = self._in_flight.sampled.token_ids
             fill = (list(rows), previous[torch.tensor(sources, device=device)])
-        prompt = plan_prompt_rows(items) if self._num_prompt_logprobs else None
+        prompt = plan_prompt_rows(items)
         logits = self.runner.execute(
             token_ids=token_ids,
             context_lens=[s.context_len for s in items],
@@ -312,7 +297,7 @@ class Engine:
         requests = [items[i].request for i in sample_rows]
         if not requests:
             return _InFlight([], None, prompt_logprobs)
-        if self._num_edited:
+        if any(r.edits_logits for r in requests):
             self._edit_logits(logits, requests)
         sampled = sample(logits, self.sampling.batch(requests), self._argmax, self._temperature_sample)
         self.sampling.record(requests, sampled.token_ids)
@@ -363,16 +348,13 @@ class Engine:
         update = request.detokenizer.add_token(token)
         new_text = update.new_text
         first = request.num_output_tokens == request.num_pending + 1
-        if first:  # its first token: prefill done
-            for sample in self._deferred.pop(request.request_id, ()):
+        if first and request.group_id is not None:  # its prefill is done: the prompt is cached
+            for sample in self._groups[request.group_id].release_deferred():
                 self._admit(sample)
 
-        hit_eos = token in request.eos_token_ids and not request.params.ignore_eos
-        stop_token = token in request.params.stop_token_ids
-        if request.matcher is not None:
-            stop_token = self._advance_grammar(request, token)
+        grammar_done = request.matcher is not None and self._advance_grammar(request, token)
         reason = None
-        if update.stopped or hit_eos or stop_token:
+        if update.stopped or request.is_stop_token(token) or grammar_done:
             reason = FinishReason.STOP
         elif request.num_output_tokens - request.num_pending >= request.max_tokens:
             reason = FinishReason.LENGTH
@@ -431,20 +413,34 @@ class Engine:
     def _finish(self, request: Request, reason: FinishReason) -> None:
         self.scheduler.finish(request, reason)
         self.sampling.remove(request.request_id)
-        live = self._requests.pop(request.request_id, None) is not None
-        if live and (request.matcher is not None or request.params.logit_bias):
-            self._num_edited -= 1
-            self._num_constrained -= request.matcher is not None
-        if live:
-            self._num_prompt_logprobs -= request.params.prompt_logprobs is not None
-        if request.group_id is not None:
-            unfinished = self._groups.get(request.group_id, set())
-            unfinished.discard(request.request_id)
-            if not unfinished:
-                self._groups.pop(request.group_id, None)
+        self._requests.pop(request.request_id, None)
+        group = self._groups.get(request.group_id) if request.group_id is not None else None
+        if group is not None and group.finish(request):
+            del self._groups[request.group_id]
         if request.num_pending:  # tokens still in flight past the end: never part of the output
             del request.token_ids[len(request.token_ids) - request.num_pending :]
             request.num_pending = 0
+
+    # What a serving replica (replica/deployment.py) asks of the engine's runner and KV
+    # cache, so that it depends on the engine alone.
+
+    @property
+    def device_type(self) -> str:
+        """Where the model runs: "cpu" or "cuda"."""
+        return self.runner.device.type
+
+    def pin_to_cores(self, plan: CorePlan) -> None:
+        """Run each eager step on the plan's cores (the caller pins the process itself)."""
+        self.runner.use_cores(plan)
+
+    async def check_alive(self) -> None:
+        """Raises when a part of the engine outside this process (a tensor-parallel
+        worker) is gone: its steps fail from then on."""
+        await self.runner.check_alive()
+
+    def cached_prefix_summary(self, limit: int) -> list[bytes]:
+        """The newest cached block hashes, at most `limit`; see KVCacheManager."""
+        return self.kv.cached_prefix_summary(limit)
 
 
 def _sample_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -1,18 +1,16 @@
 """Offline API: `LLM(model).generate(prompts, params)`, as in vLLM."""
 
 from collections.abc import Sequence
-from pathlib import Path
 
-import jinja2
 from tqdm.auto import tqdm
 
+from replica.chat_template import Message, chat_prompt_ids, default_chat_template, load_chat_template
 from replica.config import EngineConfig
 from replica.engine import Engine
 from replica.outputs import RequestOutput, merge_samples
 from replica.sampling_params import SamplingParams
 
 Prompt = str | list[int]
-Message = dict[str, str]
 
 
 class LLM:
@@ -80,65 +78,6 @@ class LLM:
 
     def apply_chat_template(self, messages: list[Message], tools: list[dict] | None = None) -> list[int]:
         return chat_prompt_ids(self.tokenizer, messages, tools=tools, chat_template=self.chat_template)
-
-
-TEMPLATES = Path(__file__).resolve().parent.parent / "router" / "templates"
-
-
-# The bundled SmolLM2's own template renders no tools; this one renders the same chats,
-# and tools too, so the default model serves tool calls with no flag.
-BUNDLED_CHAT_TEMPLATE = "chatml_tools"
-
-
-def default_chat_template(model: str | None, chat_template: str | None) -> str | None:
-    """The chat template asked for; else, for the bundled model (model None), one that renders tools."""
-    if chat_template is None and model is None:
-        return BUNDLED_CHAT_TEMPLATE
-    return chat_template
-
-
-def load_chat_template(template: str | None) -> str | None:
-    """A Jinja template's text from: the name of one that ships with kvserve
-    (`chatml_tools`), a file's path, or the text itself."""
-    if template is None or "{" in template:
-        return template
-    bundled = TEMPLATES / f"{template}.jinja"
-    path = bundled if bundled.is_file() else Path(template)
-    if not path.is_file():
-        names = sorted(p.stem for p in TEMPLATES.glob("*.jinja"))
-        raise ValueError(f"chat template {template!r} is neither a file nor one of kvserve's: {names}")
-    return path.read_text()
-
-
-def chat_prompt_ids(
-    tokenizer,
-    messages: list[Message],
-    add_generation_prompt: bool = True,
-    tools: list[dict] | None = None,
-    chat_template: str | None = None,
-) -> list[int]:
-    """The prompt token ids for a conversation, by default ready for the assistant's turn.
-    tools: OpenAI tool definitions, for templates that render them. chat_template: a
-    Jinja template to use instead of the model's. A template that refuses the messages
-    (strict role alternation, an unknown role) raises ValueError with its reason."""
-    template = chat_template or tokenizer.chat_template
-    if template is None:
-        raise ValueError("this model has no chat template; use a plain prompt")
-    if tools and "tools" not in template:
-        raise ValueError(
-            "this model's chat template does not render tools; serve it with a chat template that does"
-        )
-    try:
-        text = tokenizer.apply_chat_template(
-            messages,
-            tools=tools or None,
-            chat_template=template,
-            add_generation_prompt=add_generation_prompt,
-            tokenize=False,
-        )
-    except jinja2.TemplateError as e:
-        raise ValueError(f"the chat template refused these messages: {e}") from None
-    return tokenizer(text, add_special_tokens=False).input_ids
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

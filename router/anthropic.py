@@ -307,7 +307,7 @@ class Reply:
         """Anthropic's event stream. Closing early (client gone) cancels the replica
         stream; a failure once the status line is out arrives as an error event."""
         try:
-            usage = {"input_tokens": len(self.choices.input.prompt), "output_tokens": 0}
+            usage = {"input_tokens": len(self.choices.input.request.prompt), "output_tokens": 0}
             yield _event("message_start", {"message": self._message([], (None, None), usage)})
             yield _event("ping", {})
             blocks = _Blocks()

@@ -1,13 +1,17 @@
 """The coordinator: one named Ray actor per application that holds every replica's
-latest KV stats. Replicas push about every 100 ms; routers and the metrics endpoint
-read snapshots. A replica that stops reporting is forgotten."""
+latest report (replica/wire.py's ReplicaReport). Replicas push about every 100 ms;
+routers and the metrics endpoint read snapshots. A replica that stops reporting is
+forgotten."""
 
 import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import ray
+
+from replica.wire import ReplicaReport
 
 logger = logging.getLogger("ray.serve")
 
@@ -20,24 +24,23 @@ HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray gives it to the head node o
 class Coordinator:
     def __init__(self, stale_after_s: float = DEFAULT_STALE_AFTER_S):
         self.stale_after_s = stale_after_s
-        self._latest: dict[str, tuple[float, dict]] = {}
+        # replica id -> (when its report arrived, the report)
+        self._latest: dict[str, tuple[float, ReplicaReport]] = {}
 
-    def report(self, replica_id: str, stats: dict) -> None:
-        self._latest[replica_id] = (time.monotonic(), stats)
+    def report(self, replica_id: str, report: ReplicaReport) -> None:
+        self._latest[replica_id] = (time.monotonic(), report)
 
     def forget(self, replica_id: str) -> None:
         self._latest.pop(replica_id, None)
 
-    def snapshot(self) -> dict[str, dict]:
-        """Latest stats of every replica heard from within stale_after_s. Each report's
+    def snapshot(self) -> dict[str, ReplicaReport]:
+        """Latest report of every replica heard from within stale_after_s. Each report's
         `age_s` (how old it was when sent) grows by the time it has waited here: ages,
         unlike times of day, mean the same on every node, whatever its clock says."""
         now = time.monotonic()
         for replica_id in [r for r, (t, _) in self._latest.items() if t < now - self.stale_after_s]:
             del self._latest[replica_id]
-        return {
-            r: {**stats, "age_s": stats.get("age_s", 0.0) + now - t} for r, (t, stats) in self._latest.items()
-        }
+        return {r: replace(report, age_s=report.age_s + now - t) for r, (t, report) in self._latest.items()}
 
 
 def coordinator_address(app_name: str) -> tuple[str, str]:
@@ -62,7 +65,10 @@ def get_coordinator(address: tuple[str, str]) -> ray.actor.ActorHandle:
 
 
 async def follow_snapshots(
-    address: tuple[str, str], interval_s: float, use: Callable[[dict, float], None], fallback: str
+    address: tuple[str, str],
+    interval_s: float,
+    use: Callable[[dict[str, ReplicaReport], float], None],
+    fallback: str,
 ) -> None:
     """Hand `use` the coordinator's snapshot, and when it was asked for (time.monotonic();
     each report is at least its age older than that), every interval. When that fails,

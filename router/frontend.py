@@ -6,12 +6,14 @@ The adapters only move bytes: router/http.py renders choices as OpenAI JSON and
 server-sent events, router/grpc_api.py as protobuf messages."""
 
 import asyncio
+import dataclasses
 import hmac
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from replica.llm import chat_prompt_ids
+from replica.chat_template import chat_prompt_ids
 from replica.sampling_params import SamplingParams
+from replica.wire import GenerateRequest, LogprobEntry, StreamChunk, TopLogprob
 from router import tool_calls
 from router.generation import DEFAULT_MAX_MIGRATIONS, APIError, Generation, start_generation
 from router.metrics import ServingMetrics
@@ -23,10 +25,8 @@ from router.replica_groups import ReplicaGroups
 class EngineInput:
     """A validated request, ready for a replica, and how to shape its answer."""
 
-    prompt: list[int]
-    # SamplingParams fields (n is the number of samples generated), and the request's
-    # priority, which as in vLLM is no sampling parameter but crosses to the replica with them.
-    params: dict
+    # Its prompt as token ids; its sampling's n is the number of samples generated.
+    request: GenerateRequest
     choices: int  # returned; fewer than the samples with best_of
     logprobs_wanted: bool  # the client's; best_of asks for logprobs to rank samples
     echo: str | None = None  # completions with echo: the prompt text
@@ -45,7 +45,7 @@ class Choice:
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict] | None = None  # the replica's entries, with token strings
+    logprobs: list[LogprobEntry] | None = None  # the replica's entries, with token strings
     finish_reason: str | None = None
     calls: list[tool_calls.ParsedCall] = field(default_factory=list)
     num_output_tokens: int = 0
@@ -54,7 +54,7 @@ class Choice:
     @property
     def cumulative_logprob(self) -> float:
         # Echoed prompt entries count alike for every sample; the first has no logprob.
-        return sum(entry["logprob"] for entry in self.logprobs or () if entry["logprob"] is not None)
+        return sum(entry.logprob for entry in self.logprobs or () if entry.logprob is not None)
 
 
 @dataclass
@@ -64,10 +64,10 @@ class ChoiceDelta:
     index: int
     text: str
     token_ids: list[int]
-    logprobs: list[dict] | None
+    logprobs: list[LogprobEntry] | None
     calls: list[tool_calls.ParsedCall]
     finish_reason: str | None
-    prompt_logprobs: list[dict | None] | None = None  # wanted, and carried by this chunk
+    prompt_logprobs: list[LogprobEntry | None] | None = None  # wanted, and carried by this chunk
 
 
 class Choices:
@@ -75,20 +75,20 @@ class Choices:
 
     def __init__(self, engine_input: EngineInput):
         self.input = engine_input
-        self.samples = [Choice(i) for i in range(engine_input.params.get("n", 1))]
+        self.samples = [Choice(i) for i in range(engine_input.request.sampling.n)]
         self._streams = [tool_calls.ToolCallStream() for _ in self.samples] if engine_input.tools else None
         self.num_prompt_tokens = 0
         # The replica's prompt entries (None first), from the first sample's first chunk.
-        self.prompt_logprobs: list[dict | None] | None = None
+        self.prompt_logprobs: list[LogprobEntry | None] | None = None
 
-    def add(self, chunk: dict) -> ChoiceDelta:
-        choice = self.samples[chunk["index"]]
-        prompt_logprobs = chunk.get("prompt_logprobs")
+    def add(self, chunk: StreamChunk) -> ChoiceDelta:
+        choice = self.samples[chunk.index]
+        prompt_logprobs = chunk.prompt_logprobs
         if prompt_logprobs is not None:
             self.prompt_logprobs = prompt_logprobs
         first, choice.started = not choice.started, True
-        text, calls = chunk["text"], []
-        token_ids, chunk_logprobs = chunk["token_ids"], chunk["logprobs"]
+        text, calls = chunk.text, []
+        token_ids, chunk_logprobs = chunk.token_ids, chunk.logprobs
         if self.input.echo_only:
             text, token_ids, chunk_logprobs = "", [], None if chunk_logprobs is None else []
         if self.input.echo is not None and first:
@@ -96,11 +96,11 @@ class Choices:
             if self.input.echo_first_token is not None:
                 chunk_logprobs = self._echo_entries() + (chunk_logprobs or [])
         if self._streams is not None:
-            stream = self._streams[chunk["index"]]
+            stream = self._streams[chunk.index]
             text, calls = stream.feed(text)
-            if chunk["finished"]:
+            if chunk.finished:
                 text += stream.flush()
-        finish_reason = chunk["finish_reason"]
+        finish_reason = chunk.finish_reason
         if finish_reason == "stop" and (calls or choice.calls):
             finish_reason = "tool_calls"
         choice.text += text
@@ -109,26 +109,24 @@ class Choices:
         if chunk_logprobs is not None:
             choice.logprobs = (choice.logprobs or []) + chunk_logprobs
         choice.finish_reason = finish_reason
-        choice.num_output_tokens = 0 if self.input.echo_only else chunk["num_output_tokens"]
-        self.num_prompt_tokens = chunk["num_prompt_tokens"]
+        choice.num_output_tokens = 0 if self.input.echo_only else chunk.num_output_tokens
+        self.num_prompt_tokens = chunk.num_prompt_tokens
         logprobs = chunk_logprobs if self.input.logprobs_wanted else None
         prompt_logprobs = prompt_logprobs if self.input.prompt_logprobs_wanted else None
         return ChoiceDelta(choice.index, text, token_ids, logprobs, calls, finish_reason, prompt_logprobs)
 
-    def _echo_entries(self) -> list[dict]:
+    def _echo_entries(self) -> list[LogprobEntry]:
         """The prompt's entries as echo shows them, as in vLLM: the first token's without
         a logprob or alternatives, each other token's alternatives led by the token itself."""
-        first = {
-            "token_id": self.input.prompt[0],
-            "token": self.input.echo_first_token,
-            "logprob": None,
-            "top_logprobs": None,
-        }
+        # The one entry with neither: OpenAI's echo shows null for both.
+        first = LogprobEntry(
+            self.input.request.prompt[0], self.input.echo_first_token, logprob=None, top_logprobs=None
+        )
         entries = [first]
         for e in (self.prompt_logprobs or [None])[1:]:
-            own = {"token_id": e["token_id"], "token": e["token"], "logprob": e["logprob"]}
-            others = [t for t in e["top_logprobs"] if t["token_id"] != e["token_id"]]
-            entries.append({**e, "top_logprobs": [own, *others]})
+            own = TopLogprob(e.token_id, e.token, e.logprob)
+            others = [t for t in e.top_logprobs if t.token_id != e.token_id]
+            entries.append(dataclasses.replace(e, top_logprobs=[own, *others]))
         return entries
 
     def result(self) -> list[Choice]:
@@ -309,15 +307,14 @@ class FrontEnd:
             params = SamplingParams(**fields)
         except (TypeError, ValueError) as e:
             raise APIError(400, str(e)) from None
-        engine_params = {**params.as_dict(), "priority": getattr(body, "priority", None) or 0}
+        # As in vLLM, priority is a request's, not a sampling parameter.
+        request = GenerateRequest(prompt, sampling=params, priority=getattr(body, "priority", None) or 0)
         wanted = getattr(body, "prompt_logprobs", None) is not None
-        return EngineInput(prompt, engine_params, choices, logprobs_wanted, echo, tools, wanted)
+        return EngineInput(request, choices, logprobs_wanted, echo, tools, wanted)
 
     async def start(self, engine_input: EngineInput) -> Generation:
-        llm = self.replicas.pick(engine_input.prompt, engine_input.params)
-        return await start_generation(
-            llm, self.metrics, engine_input.prompt, engine_input.params, self.max_migrations
-        )
+        llm = self.replicas.pick(engine_input.request)
+        return await start_generation(llm, self.metrics, engine_input.request, self.max_migrations)
 
 
 def _structured(body: CompletionRequest | ChatCompletionRequest) -> dict | None:
@@ -337,7 +334,7 @@ def _structured(body: CompletionRequest | ChatCompletionRequest) -> dict | None:
     return from_format or guided
 
 
-def vllm_prompt_logprobs(entries: list[dict | None]) -> list[dict | None]:
+def vllm_prompt_logprobs(entries: list[LogprobEntry | None]) -> list[dict | None]:
     """The replica's prompt entries as vLLM returns `prompt_logprobs`: None for the first
     token, then per token a dict of token id -> logprob, rank and decoded token, holding
     the prompt token and its top-n alternatives (ranks 1..n)."""
@@ -346,12 +343,10 @@ def vllm_prompt_logprobs(entries: list[dict | None]) -> list[dict | None]:
         if e is None:
             out.append(None)
             continue
-        position = {
-            str(e["token_id"]): {"logprob": e["logprob"], "rank": e["rank"], "decoded_token": e["token"]}
-        }
-        for rank, t in enumerate(e["top_logprobs"], 1):
+        position = {str(e.token_id): {"logprob": e.logprob, "rank": e.rank, "decoded_token": e.token}}
+        for rank, t in enumerate(e.top_logprobs, 1):
             position.setdefault(
-                str(t["token_id"]), {"logprob": t["logprob"], "rank": rank, "decoded_token": t["token"]}
+                str(t.token_id), {"logprob": t.logprob, "rank": rank, "decoded_token": t.token}
             )
         out.append(position)
     return out

@@ -21,7 +21,7 @@ from ray.serve import context as serve_context
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from replica.engine import EngineStepError, QueueFullError
+from replica.wire import EngineStepError, GenerateRequest, QueueFullError, StreamChunk
 from router.metrics import RequestTimer, ServingMetrics
 
 logger = logging.getLogger("ray.serve")
@@ -59,24 +59,23 @@ class Generation:
     tokens already sent (migration), up to max_migrations times: greedy and seeded
     streams go on exactly as they would have, and the client sees one stream."""
 
-    first: dict
+    first: StreamChunk
     stream: DeploymentResponseGenerator
     timer: RequestTimer
     llm: DeploymentHandle
-    prompt: list[int]
-    params: dict
+    request: GenerateRequest
     max_migrations: int = DEFAULT_MAX_MIGRATIONS
     migrations: int = 0
     sent_token_ids: list[int] = field(default_factory=list)  # with n = 1
     finished: bool = False  # with n = 1
 
-    async def chunks(self) -> AsyncIterator[dict]:
+    async def chunks(self) -> AsyncIterator[StreamChunk]:
         """Every chunk, the first included; a failure that cannot migrate raises APIError."""
         chunk = self.first
         while True:
             self.timer.on_chunk(chunk)
-            self.sent_token_ids += chunk["token_ids"]
-            self.finished |= chunk["finished"]
+            self.sent_token_ids += chunk.token_ids
+            self.finished |= chunk.finished
             yield chunk
             try:
                 chunk = await self.stream.__anext__()
@@ -89,10 +88,10 @@ class Generation:
 
     def _may_migrate(self, e: Exception) -> bool:
         lost = isinstance(e, RayActorError) or isinstance(getattr(e, "cause", None), EngineStepError)
-        single = self.params.get("n", 1) == 1 and not self.finished
+        single = self.request.sampling.n == 1 and not self.finished
         return lost and single and self.migrations < self.max_migrations
 
-    async def _migrate(self, e: Exception) -> dict:
+    async def _migrate(self, e: Exception) -> StreamChunk:
         self.migrations += 1
         self.timer.metrics.migrations.labels(self.timer.metrics.model_name).inc()
         logger.warning(
@@ -103,7 +102,9 @@ class Generation:
             self.max_migrations,
         )
         _cancel(self.stream)
-        self.stream, first = await _open(self.llm, self.prompt, self.params, self.sent_token_ids)
+        # A copy: sent_token_ids goes on growing with the new replica's tokens.
+        resumed = dataclasses.replace(self.request, resume_token_ids=list(self.sent_token_ids) or None)
+        self.stream, first = await _open(self.llm, resumed)
         return first
 
     def cancel(self) -> None:
@@ -114,18 +115,17 @@ class Generation:
 async def start_generation(
     llm: DeploymentHandle,
     metrics: ServingMetrics,
-    prompt: list[int],
-    params: dict,
+    request: GenerateRequest,
     max_migrations: int = DEFAULT_MAX_MIGRATIONS,
 ) -> Generation:
-    timer = metrics.timer(params.get("n", 1))
-    stream, first = await _open(llm, prompt, params)
-    return Generation(first, stream, timer, llm, prompt, params, max_migrations)
+    timer = metrics.timer(request.sampling.n)
+    stream, first = await _open(llm, request)
+    return Generation(first, stream, timer, llm, request, max_migrations)
 
 
 async def _open(
-    llm: DeploymentHandle, prompt: list[int], params: dict, resume_token_ids: list[int] | None = None
-) -> tuple[DeploymentResponseGenerator, dict]:
+    llm: DeploymentHandle, request: GenerateRequest
+) -> tuple[DeploymentResponseGenerator, StreamChunk]:
     """A replica's stream and its first chunk, which surfaces validation errors before
     any byte is sent. A replica that fails before its first chunk has produced nothing,
     so the request is sent again; Serve routes it to another replica."""
@@ -134,9 +134,7 @@ async def _open(
         attempt += 1
         stream = None
         try:
-            stream = llm.options(stream=True).generate.remote(
-                prompt, params, resume_token_ids=list(resume_token_ids) if resume_token_ids else None
-            )
+            stream = llm.options(stream=True).generate.remote(request)
             return stream, await stream.__anext__()
         except StopAsyncIteration:
             raise APIError(500, "the replica returned no output", kind="server_error") from None

@@ -11,6 +11,7 @@ import grpc
 from pydantic import ValidationError
 from ray.serve.grpc_util import RayServegRPCContext
 
+from replica.wire import LogprobEntry
 from router.frontend import Choice, ChoiceDelta, Choices, EngineInput
 from router.generation import APIError, Generation
 from router.protocol import ChatCompletionRequest, CompletionRequest, main_error
@@ -165,7 +166,7 @@ class GrpcAPI:
         result = [_choice(c) for c in choices.result()]
         first = result[0]
         return pb.GenerateResponse(
-            id=generation.first["request_id"],
+            id=generation.first.request_id,
             model=self.frontend.model_name,
             text=first.text,
             token_ids=first.token_ids,
@@ -190,8 +191,8 @@ class GrpcAPI:
         try:
             async for chunk in generation.chunks():
                 delta = choices.add(chunk)
-                unfinished -= chunk["finished"]
-                response = self._delta_response(generation.first["request_id"], delta)
+                unfinished -= chunk.finished
+                response = self._delta_response(generation.first.request_id, delta)
                 if not unfinished:
                     response.usage.CopyFrom(pb.Usage(**choices.usage()))
                 yield response
@@ -255,20 +256,20 @@ def _choice(choice: Choice) -> pb.Choice:
     )
 
 
-def _logprobs(entries: list[dict] | None) -> list[pb.TokenLogprob]:
+def _logprobs(entries: list[LogprobEntry] | None) -> list[pb.TokenLogprob]:
     return [
         pb.TokenLogprob(
-            token_id=e["token_id"],
-            token=e["token"],
-            logprob=e["logprob"],
-            top_logprobs=[pb.TopLogprob(token=t["token"], logprob=t["logprob"]) for t in e["top_logprobs"]],
-            rank=e.get("rank", 0),
+            token_id=e.token_id,
+            token=e.token,
+            logprob=e.logprob,
+            top_logprobs=[pb.TopLogprob(token=t.token, logprob=t.logprob) for t in e.top_logprobs],
+            rank=e.rank or 0,  # proto has no null: 0 where the entry has no rank
         )
         for e in entries or ()
     ]
 
 
-def _prompt_logprobs(entries: list[dict | None] | None) -> list[pb.TokenLogprob]:
+def _prompt_logprobs(entries: list[LogprobEntry | None] | None) -> list[pb.TokenLogprob]:
     """The entries after the first prompt token's, which has none (proto has no null)."""
     return _logprobs(entries[1:] if entries else None)
 

@@ -8,15 +8,18 @@ would read as a reset).
 """
 
 import time
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-# Prometheus counter -> (the replica report's key, help text).
-REPLICA_COUNTERS = {
-    "vllm:prefix_cache_queries": ("prefix_cache_queries", "Prefix-cache block lookups."),
-    "vllm:prefix_cache_hits": ("prefix_cache_hits", "Prefix-cache block hits."),
-    "vllm:num_preemptions": ("num_preemptions", "Preemptions by recompute."),
+from replica.wire import ReplicaReport, StreamChunk
+
+# Prometheus counter -> (its count in a replica's report, help text).
+REPLICA_COUNTERS: dict[str, tuple[Callable[[ReplicaReport], int], str]] = {
+    "vllm:prefix_cache_queries": (lambda r: r.prefix_cache_queries, "Prefix-cache block lookups."),
+    "vllm:prefix_cache_hits": (lambda r: r.prefix_cache_hits, "Prefix-cache block hits."),
+    "vllm:num_preemptions": (lambda r: r.num_preemptions, "Preemptions by recompute."),
 }
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -25,8 +28,8 @@ class ServingMetrics:
     def __init__(self, model_name: str):
         self.model_name = model_name
         self.registry = CollectorRegistry()
-        self._snapshot: dict[str, dict] = {}
-        self._counts: dict[str, dict[str, float]] = {}  # replica -> counter key -> latest
+        self._snapshot: dict[str, ReplicaReport] = {}
+        self._counts: dict[str, dict[str, float]] = {}  # replica -> counter name -> latest
         labels = ["model_name"]
         r = self.registry
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed.", labels, registry=r)
@@ -60,33 +63,33 @@ class ServingMetrics:
         )
         self.registry.register(self)  # collect() below adds the replica-derived metrics
 
-    def exposition(self, snapshot: dict[str, dict]) -> bytes:
+    def exposition(self, snapshot: dict[str, ReplicaReport]) -> bytes:
         self._snapshot = snapshot
-        for replica_id, stats in snapshot.items():
+        for replica_id, report in snapshot.items():
             counts = self._counts.setdefault(replica_id, {})
-            for key, _ in REPLICA_COUNTERS.values():
-                counts[key] = max(counts.get(key, 0), stats[key])
+            for name, (count, _) in REPLICA_COUNTERS.items():
+                counts[name] = max(counts.get(name, 0), count(report))
         return generate_latest(self.registry)
 
     def collect(self):
-        stats = list(self._snapshot.values())
-        total = sum(s["num_total_blocks"] for s in stats)
-        free = sum(s["num_free_blocks"] for s in stats)
+        reports = list(self._snapshot.values())
+        total = sum(r.num_total_blocks for r in reports)
+        free = sum(r.num_free_blocks for r in reports)
         gauges = {
             "vllm:num_requests_running": (
                 "Requests in the model's batch.",
-                sum(s["num_running"] for s in stats),
+                sum(r.num_running for r in reports),
             ),
-            "vllm:num_requests_waiting": ("Requests queued.", sum(s["num_waiting"] for s in stats)),
+            "vllm:num_requests_waiting": ("Requests queued.", sum(r.num_waiting for r in reports)),
             "vllm:kv_cache_usage_perc": ("KV-cache usage, 1 = full.", 1 - free / total if total else 0.0),
         }
         for name, (doc, value) in gauges.items():
             g = GaugeMetricFamily(name, doc, labels=["model_name"])
             g.add_metric([self.model_name], value)
             yield g
-        for name, (key, doc) in REPLICA_COUNTERS.items():
+        for name, (_, doc) in REPLICA_COUNTERS.items():
             c = CounterMetricFamily(name, doc, labels=["model_name"])
-            c.add_metric([self.model_name], sum(counts[key] for counts in self._counts.values()))
+            c.add_metric([self.model_name], sum(counts[name] for counts in self._counts.values()))
             yield c
 
     def timer(self, samples: int = 1) -> "RequestTimer":
@@ -103,21 +106,21 @@ class RequestTimer:
         self.first = True
         self.unfinished = samples
 
-    def on_chunk(self, chunk: dict) -> None:
+    def on_chunk(self, chunk: StreamChunk) -> None:
         now = time.perf_counter()
         label = self.metrics.model_name
         if self.first:
             self.metrics.ttft.labels(label).observe(now - self.start)
             self.first = False
-        elif chunk["token_ids"]:
-            self.metrics.itl.labels(label).observe((now - self.last) / len(chunk["token_ids"]))
+        elif chunk.token_ids:
+            self.metrics.itl.labels(label).observe((now - self.last) / len(chunk.token_ids))
         self.last = now
-        if chunk["finished"]:
+        if chunk.finished:
             self.unfinished -= 1
-            self.metrics.generation_tokens.labels(label).inc(chunk["num_output_tokens"])
-            if chunk["index"] == 0:
+            self.metrics.generation_tokens.labels(label).inc(chunk.num_output_tokens)
+            if chunk.index == 0:
                 self.metrics.prompt_tokens.labels(label).inc(
-                    chunk["num_prompt_tokens"] - chunk["num_cached_tokens"]
+                    chunk.num_prompt_tokens - chunk.num_cached_tokens
                 )
             if not self.unfinished:
                 self.metrics.e2e.labels(label).observe(now - self.start)

@@ -15,6 +15,7 @@ import uuid
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from replica.sampling_params import MAX_LOGPROBS, SamplingParams
+from replica.wire import GenerateRequest
 from router.frontend import EngineInput, FrontEnd
 from router.generation import APIError, as_own_request
 
@@ -98,7 +99,7 @@ class RelevanceScorer:
         tokenizer = frontend.tokenizer
         self.yes_ids = _first_tokens(tokenizer, YES_WORDS)
         self.no_ids = _first_tokens(tokenizer, NO_WORDS)
-        self.params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=MAX_LOGPROBS).as_dict()
+        self.sampling = SamplingParams(max_tokens=1, temperature=0.0, logprobs=MAX_LOGPROBS)
 
     async def score(self, pairs: list[tuple[str, str]], prompt: str | None) -> tuple[list[float], int]:
         """Each pair's relevance in [0, 1], and the prompt tokens read."""
@@ -112,14 +113,15 @@ class RelevanceScorer:
     async def _one(self, prompt: list[int]) -> float:
         """Runs as a task of its own, beside the request's other documents."""
         as_own_request()
-        generation = await self.frontend.start(EngineInput(prompt, self.params, 1, True))
+        request = GenerateRequest(prompt, sampling=self.sampling)
+        generation = await self.frontend.start(EngineInput(request, 1, True))
         entries = []
         try:
             async for chunk in generation.chunks():
-                entries += chunk["logprobs"] or []
+                entries += chunk.logprobs or []
         finally:
             generation.cancel()
-        top = {t["token_id"]: t["logprob"] for t in entries[0]["top_logprobs"]}
+        top = {t.token_id: t.logprob for t in entries[0].top_logprobs}
         return self.relevance(top)
 
     def relevance(self, top: dict[int, float]) -> float:

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from replica.wire import StreamChunk
 from router.frontend import Choices
 from router.generation import APIError, Generation
 from router.protocol import ChatCompletionRequest, main_error
@@ -271,7 +272,7 @@ class ResponseBuilder:
     def start(self) -> list[dict]:
         return [self._event("response.created"), self._event("response.in_progress")]
 
-    def feed(self, chunk: dict) -> list[dict]:
+    def feed(self, chunk: StreamChunk) -> list[dict]:
         delta = self.choices.add(chunk)
         events = self._add_text(delta.text) if delta.text else []
         for call in delta.calls:

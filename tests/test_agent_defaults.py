@@ -11,7 +11,7 @@ import pytest
 from conftest import AGENT_APP, SERVE_GRPC_PORT
 from transformers import AutoTokenizer
 
-from replica.llm import BUNDLED_CHAT_TEMPLATE, chat_prompt_ids, load_chat_template
+from replica.chat_template import BUNDLED_CHAT_TEMPLATE, chat_prompt_ids, load_chat_template
 from replica.model_loader import bundled_tokenizer_path
 from router.protos import kvserve_pb2 as pb
 from router.protos import kvserve_pb2_grpc as pb_grpc

@@ -7,6 +7,7 @@ import pytest
 from conftest import AGENT_APP
 from ray import serve
 
+from replica.wire import ReplicaReport
 from router.rerank import DEFAULT_RELEVANCE_PROMPT
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -71,7 +72,7 @@ def http(agent_app):
         yield client
 
 
-def replica_stats() -> dict:
+def replica_stats() -> ReplicaReport:
     return serve.get_deployment_handle("LLMServer", app_name=AGENT_APP).stats.remote().result()
 
 
@@ -128,9 +129,9 @@ def test_documents_share_the_prompt_and_query_in_the_prefix_cache(http, tokenize
     r = http.post("/v1/rerank", json={"query": query, "documents": documents})
     assert r.status_code == 200, r.text
     after = replica_stats()
-    hits = after["prefix_cache_hits"] - before["prefix_cache_hits"]
+    hits = after.prefix_cache_hits - before.prefix_cache_hits
     # Every document after the first finds at least the shared head's full blocks cached.
-    assert hits >= (len(documents) - 1) * (shared // after["block_size"])
+    assert hits >= (len(documents) - 1) * (shared // after.block_size)
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ from ray import serve
 from test_metrics import metric_values
 
 from deployments.app import build_app
+from replica.wire import ReplicaReport
 from router.coordinator import coordinator_address
 
 APP = "cancel-test"
@@ -23,7 +24,7 @@ BASE_URL = f"http://127.0.0.1:{SERVE_HTTP_PORT}/{APP}"
 LONG_PROMPT = " ".join(f"item {i}," for i in range(600))
 
 
-def snapshot() -> dict[str, dict]:
+def snapshot() -> dict[str, ReplicaReport]:
     namespace, name = coordinator_address(APP)
     return ray.get(ray.get_actor(name, namespace=namespace).snapshot.remote())
 
@@ -31,7 +32,7 @@ def snapshot() -> dict[str, dict]:
 def all_idle_and_free() -> bool:
     replicas = snapshot()
     return len(replicas) == 2 and all(
-        s["num_running"] == 0 and s["num_waiting"] == 0 and s["num_free_blocks"] == s["num_total_blocks"]
+        s.num_running == 0 and s.num_waiting == 0 and s.num_free_blocks == s.num_total_blocks
         for s in replicas.values()
     )
 

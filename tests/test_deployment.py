@@ -8,6 +8,7 @@ from ray import serve
 
 from replica import SamplingParams
 from replica.deployment import LLMServer
+from replica.wire import GenerateRequest
 
 # Pinned as `kvserve serve` pins its one replica: every core but the first.
 ENGINE_ARGS = {"dtype": "float32", "kv_cache_memory_gb": 0.25, "cpu_cores": "auto"}
@@ -20,11 +21,12 @@ def handle(ray_cluster, model_path):
     serve.delete("deployment-test")
 
 
-async def _collect(handle, prompt, params, limit=None):
+async def _collect(handle, prompt, params, limit=None, priority=0):
     """Read a stream; with `limit`, drop it after that many chunks the way a
     disconnecting client does (the caller cancels its response)."""
     chunks = []
-    stream = handle.options(stream=True).generate.remote(prompt, params)
+    request = GenerateRequest(prompt, SamplingParams(**params), priority=priority)
+    stream = handle.options(stream=True).generate.remote(request)
     async for chunk in stream:
         chunks.append(chunk)
         if limit is not None and len(chunks) >= limit:
@@ -38,8 +40,8 @@ def test_replica_runs_on_the_cores_it_was_given(handle):
     stats = handle.stats.remote().result()
     cores = sorted(os.sched_getaffinity(0))
     expected = cores[1:] or cores
-    assert stats["cpu_affinity"] == expected
-    assert stats["torch_threads"] == len(expected)
+    assert stats.cpu_affinity == expected
+    assert stats.torch_threads == len(expected)
 
 
 def test_cpu_cores_are_checked():
@@ -59,10 +61,10 @@ def test_stream_matches_offline_greedy(handle, llm_fp32):
     params = {"max_tokens": 16, "temperature": 0}
     chunks = asyncio.run(_collect(handle, "The capital of France is", params))
     (expected,) = llm_fp32.generate("The capital of France is", SamplingParams(**params), use_tqdm=False)
-    assert [t for c in chunks for t in c["token_ids"]] == expected.token_ids
-    assert "".join(c["text"] for c in chunks) == expected.text
-    assert chunks[-1]["finished"] and chunks[-1]["finish_reason"] == expected.finish_reason
-    assert all(not c["finished"] for c in chunks[:-1])
+    assert [t for c in chunks for t in c.token_ids] == expected.token_ids
+    assert "".join(c.text for c in chunks) == expected.text
+    assert chunks[-1].finished and chunks[-1].finish_reason == expected.finish_reason
+    assert all(not c.finished for c in chunks[:-1])
 
 
 def test_concurrent_streams(handle):
@@ -73,36 +75,34 @@ def test_concurrent_streams(handle):
         )
 
     results = asyncio.run(run_all())
-    assert all(sum(len(c["token_ids"]) for c in chunks) <= 8 and chunks[-1]["finished"] for chunks in results)
+    assert all(sum(len(c.token_ids) for c in chunks) <= 8 and chunks[-1].finished for chunks in results)
 
 
 def test_dropped_stream_frees_blocks(handle):
-    total = handle.stats.remote().result()["num_total_blocks"]
+    total = handle.stats.remote().result().num_total_blocks
     params = {"max_tokens": 500, "temperature": 0, "ignore_eos": True}
     chunks = asyncio.run(_collect(handle, "Tell me a very long story.", params, limit=3))
-    assert len(chunks) == 3 and not chunks[-1]["finished"]
+    assert len(chunks) == 3 and not chunks[-1].finished
     for _ in range(100):  # the abort lands within a step of the drop
         stats = handle.stats.remote().result()
-        if stats["num_free_blocks"] == total and stats["num_running"] == 0:
+        if stats.num_free_blocks == total and stats.num_running == 0:
             break
         asyncio.run(asyncio.sleep(0.1))
-    assert stats["num_free_blocks"] == total
-    assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+    assert stats.num_free_blocks == total
+    assert stats.num_running == 0 and stats.num_waiting == 0
 
 
-def test_bad_params_raise_without_killing_the_replica(handle):
-    with pytest.raises(Exception, match="temperature"):
-        asyncio.run(_collect(handle, "hi", {"temperature": -1}))
+def test_bad_requests_raise_without_killing_the_replica(handle):
+    """What only the replica can check (the prompt against its model, the priority
+    against its scheduling policy) fails the call before anything streams."""
     with pytest.raises(Exception, match="empty"):
         asyncio.run(_collect(handle, "", {"max_tokens": 2}))
+    with pytest.raises(Exception, match="prompt token ids"):
+        asyncio.run(_collect(handle, [10**9], {"max_tokens": 2}))
+    with pytest.raises(Exception, match="priority scheduling is not enabled"):
+        asyncio.run(_collect(handle, "hi", {"max_tokens": 2}, priority=1))
     chunks = asyncio.run(_collect(handle, "hi", {"max_tokens": 2, "temperature": 0}))
-    assert chunks[-1]["finished"]
-    assert set(handle.record_routing_stats.remote().result()) == {
-        "num_free_blocks",
-        "num_total_blocks",
-        "num_running",
-        "num_waiting",
-    }
+    assert chunks[-1].finished
 
 
 def test_a_replica_running_other_versions_than_the_app_was_built_with_refuses_to_start(

@@ -13,6 +13,7 @@ from conftest import SERVE_GRPC_PORT, SERVE_HTTP_PORT, replica_actor, undeploy, 
 from ray import serve
 
 from deployments.app import build_app
+from replica.wire import ReplicaReport
 from router.coordinator import coordinator_address
 from router.protos import kvserve_pb2 as pb
 from router.protos import kvserve_pb2_grpc as pb_grpc
@@ -45,7 +46,7 @@ def test_a_replica_killed_mid_stream_ends_the_sse_stream_with_an_error_event(ray
         undeploy(APP)
 
 
-def coordinator_snapshot(app: str) -> dict:
+def coordinator_snapshot(app: str) -> dict[str, ReplicaReport]:
     namespace, name = coordinator_address(app)
     return ray.get(ray.get_actor(name, namespace=namespace).snapshot.remote())
 
@@ -98,8 +99,8 @@ def test_a_replica_kill_retries_queued_requests_and_leaks_nothing(ray_cluster, m
             futures = [pool.submit(stream_completion, url, body) for _ in range(8)]
             snapshot = {}
 
-            def busy_with_a_queue(stats: dict) -> bool:
-                return stats["num_running"] == 1 and stats["num_waiting"] > 0
+            def busy_with_a_queue(stats: ReplicaReport) -> bool:
+                return stats.num_running == 1 and stats.num_waiting > 0
 
             def a_replica_queues() -> bool:
                 # How the router splits the eight between the replicas is its business:
@@ -113,7 +114,7 @@ def test_a_replica_kill_retries_queued_requests_and_leaks_nothing(ray_cluster, m
             except AssertionError:
                 raise AssertionError(f"no replica ever queued a request: {snapshot}") from None
             busy = [(replica, s) for replica, s in snapshot.items() if busy_with_a_queue(s)]
-            victim = max(busy, key=lambda kv: kv[1]["num_waiting"])[0]
+            victim = max(busy, key=lambda kv: kv[1].num_waiting)[0]
             ray.kill(ray.get_actor(f"SERVE_REPLICA::{app}#LLMServer#{victim}", namespace="serve"))
             results = [f.result() for f in futures]
 
@@ -125,8 +126,8 @@ def test_a_replica_kill_retries_queued_requests_and_leaks_nothing(ray_cluster, m
             return (
                 len(snapshot) == 2
                 and victim not in snapshot
-                and all(s["num_free_blocks"] == s["num_total_blocks"] for s in snapshot.values())
-                and not any(s["num_running"] or s["num_waiting"] for s in snapshot.values())
+                and all(s.num_free_blocks == s.num_total_blocks for s in snapshot.values())
+                and not any(s.num_running or s.num_waiting for s in snapshot.values())
             )
 
         wait_for(replaced_and_idle, timeout_s=90, interval_s=0.5)
@@ -150,8 +151,8 @@ def test_a_full_waiting_queue_answers_429_and_resource_exhausted(ray_cluster, mo
             futures = [pool.submit(stream_completion, url, body) for _ in range(2)]
 
             def full() -> bool:
-                (stats,) = coordinator_snapshot(app).values() or [{}]
-                return stats.get("num_running") == 1 and stats.get("num_waiting") == 1
+                (stats,) = coordinator_snapshot(app).values() or [None]
+                return stats is not None and stats.num_running == 1 and stats.num_waiting == 1
 
             wait_for(full, timeout_s=60)
             refused = httpx.post(url, json={**body, "max_tokens": 2}, timeout=60)

@@ -13,6 +13,7 @@ from conftest import SERVE_GRPC_PORT, SERVE_HTTP_PORT, replica_actor, undeploy
 from ray import serve
 
 from deployments.app import build_app
+from replica.wire import ReplicaReport
 from router.protos import kvserve_pb2 as pb
 from router.protos import kvserve_pb2_grpc as pb_grpc
 
@@ -190,22 +191,22 @@ def test_invalid_argument_and_not_found(stub):
     expect_status(lambda: stub.Generate(unknown, metadata=meta()), grpc.StatusCode.NOT_FOUND, "gpt-5")
 
 
-def llm_stats(app: str) -> dict:
+def llm_stats(app: str) -> ReplicaReport:
     return serve.get_deployment_handle("LLMServer", app_name=app).stats.remote().result()
 
 
 def test_cancel_mid_stream_frees_blocks(stub):
-    total = llm_stats(APP)["num_total_blocks"]
+    total = llm_stats(APP).num_total_blocks
     request = pb.GenerateRequest(model=MODEL, prompt=PROMPT, params=greedy(max_tokens=2000, ignore_eos=True))
     stream = stub.GenerateStream(request, metadata=meta())
     next(stream)
-    assert llm_stats(APP)["num_free_blocks"] < total
+    assert llm_stats(APP).num_free_blocks < total
     stream.cancel()
     deadline = time.monotonic() + 30
-    while llm_stats(APP)["num_free_blocks"] != total:
+    while llm_stats(APP).num_free_blocks != total:
         assert time.monotonic() < deadline, "blocks were not freed after the cancel"
         time.sleep(0.1)
-    assert llm_stats(APP)["num_running"] == 0
+    assert llm_stats(APP).num_running == 0
 
 
 def test_16_concurrent_streams(stub):

@@ -12,6 +12,7 @@ from ray import serve
 
 from deployments.app import build_app
 from replica import SamplingParams
+from replica.wire import ReplicaReport
 from router.coordinator import coordinator_address, get_coordinator
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -179,7 +180,7 @@ def test_bad_requests_get_openai_errors(base_url, path, body, status):
 
 def test_dropped_http_stream_frees_blocks(base_url):
     llm = serve.get_deployment_handle("LLMServer", app_name="http-test")
-    total = llm.stats.remote().result()["num_total_blocks"]
+    total = llm.stats.remote().result().num_total_blocks
     body = {
         "model": MODEL,
         "prompt": "Tell me a long story.",
@@ -197,11 +198,11 @@ def test_dropped_http_stream_frees_blocks(base_url):
     stats = None
     for _ in range(100):
         stats = llm.stats.remote().result()
-        if stats["num_running"] == 0 and stats["num_free_blocks"] == total:
+        if stats.num_running == 0 and stats.num_free_blocks == total:
             break
         time.sleep(0.1)
-    assert stats["num_running"] == 0 and stats["num_waiting"] == 0
-    assert stats["num_free_blocks"] == total
+    assert stats.num_running == 0 and stats.num_waiting == 0
+    assert stats.num_free_blocks == total
 
 
 def test_replicas_report_to_the_coordinator(base_url):
@@ -213,9 +214,9 @@ def test_replicas_report_to_the_coordinator(base_url):
             break
         time.sleep(0.1)
     assert len(snapshot) == 1
-    (stats,) = snapshot.values()
-    assert 0 < stats["num_free_blocks"] <= stats["num_total_blocks"]
-    assert {"num_running", "num_waiting", "kv_cache_usage", "prefix_cache_hits"} <= set(stats)
+    (report,) = snapshot.values()
+    assert isinstance(report, ReplicaReport)
+    assert 0 < report.num_free_blocks <= report.num_total_blocks
 
 
 def test_metrics_parse_with_vllm_names(client, base_url):
@@ -253,7 +254,7 @@ def test_tokenize_detokenize_and_model_card_as_vllm_shapes_them(base_url, llm_fp
     assert card["root"] and card["parent"] is None
     # The replica's own window, clipped to its 0.25 GB KV cache, not the model's 8192.
     snapshot = ray.get(get_coordinator(coordinator_address("http-test")).snapshot.remote())
-    assert card["max_model_len"] == min(s["max_model_len"] for s in snapshot.values()) < 8192
+    assert card["max_model_len"] == min(report.max_model_len for report in snapshot.values()) < 8192
 
     text = "The capital of France is"
     answer = httpx.post(f"{base_url}/tokenize", json={"model": MODEL, "prompt": text}).json()

@@ -3,6 +3,7 @@ dies or is scaled away (Prometheus would read a drop as a counter reset)."""
 
 import re
 
+from replica.wire import ReplicaReport
 from router.metrics import REPLICA_COUNTERS, ServingMetrics
 
 
@@ -11,16 +12,27 @@ def metric_values(text: str) -> dict[str, float]:
     return {name: float(value) for name, value in re.findall(r"^(\S+_total)\{[^}]*\} (\S+)$", text, re.M)}
 
 
-def report(queries: int, hits: int, preemptions: int) -> dict:
-    return {
-        "num_total_blocks": 100,
-        "num_free_blocks": 100,
-        "num_running": 0,
-        "num_waiting": 0,
-        "prefix_cache_queries": queries,
-        "prefix_cache_hits": hits,
-        "num_preemptions": preemptions,
-    }
+def report(queries: int, hits: int, preemptions: int) -> ReplicaReport:
+    return ReplicaReport(
+        node_id="n",
+        deployment="LLMServer",
+        device="cpu",
+        tensor_parallel_size=1,
+        block_size=16,
+        max_model_len=2048,
+        max_waiting=None,
+        num_free_blocks=100,
+        num_total_blocks=100,
+        kv_cache_usage=0.0,
+        prefix_cache_queries=queries,
+        prefix_cache_hits=hits,
+        num_running=0,
+        num_waiting=0,
+        num_pending_blocks=0,
+        num_preemptions=preemptions,
+        cpu_affinity=[0],
+        torch_threads=1,
+    )
 
 
 def test_counters_keep_the_counts_of_replicas_that_are_gone():

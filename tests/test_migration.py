@@ -16,6 +16,7 @@ from ray import serve
 from test_metrics import metric_values
 
 from deployments.app import build_app
+from replica.wire import ReplicaReport
 from router.coordinator import coordinator_address
 from router.protos import kvserve_pb2 as pb
 from router.protos import kvserve_pb2_grpc as pb_grpc
@@ -28,7 +29,7 @@ GRPC_PROMPTS = [f"Letter {i}: dear friend, the lighthouse" for i in range(4)]
 META = [("application", APP)]
 
 
-def coordinator_snapshot() -> dict:
+def coordinator_snapshot() -> dict[str, ReplicaReport]:
     namespace, name = coordinator_address(APP)
     return ray.get(ray.get_actor(name, namespace=namespace).snapshot.remote())
 
@@ -114,10 +115,10 @@ def test_streams_survive_a_killed_replica(ray_cluster, model_path):
             s.start()
         wait_for(lambda: all(s.chunks for s in streams), timeout_s=60)
         # Reports lag a little behind the streams: wait until they show all sixteen.
-        wait_for(lambda: sum(r["num_running"] for r in coordinator_snapshot().values()) == 16, timeout_s=10)
+        wait_for(lambda: sum(r.num_running for r in coordinator_snapshot().values()) == 16, timeout_s=10)
         snapshot = coordinator_snapshot()
-        victim = max(snapshot, key=lambda r: snapshot[r]["num_running"])
-        moved = snapshot[victim]["num_running"]
+        victim = max(snapshot, key=lambda r: snapshot[r].num_running)
+        moved = snapshot[victim].num_running
         assert moved >= 8 and not any(s.tokens for s in streams), snapshot  # all still running
         texts_at_kill = [s.text for s in streams]
         ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP}#LLMServer#{victim}", namespace="serve"))
@@ -140,7 +141,7 @@ def test_streams_survive_a_killed_replica(ray_cluster, model_path):
             return (
                 len(snapshot) == 2
                 and victim not in snapshot
-                and all(s["num_free_blocks"] == s["num_total_blocks"] for s in snapshot.values())
+                and all(s.num_free_blocks == s.num_total_blocks for s in snapshot.values())
             )
 
         wait_for(replaced_and_idle, timeout_s=90, interval_s=0.5)

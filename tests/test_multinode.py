@@ -28,6 +28,7 @@ from conftest import HUB_ID, wait_for
 from ray import serve
 
 from deployments.app import build_app
+from replica.wire import ReplicaReport
 from router.coordinator import coordinator_address
 
 GCS_PORT, HTTP_PORT = 29390, 18491  # the GCS port outside Ray's worker ports (10002-19999)
@@ -117,7 +118,7 @@ def head_node_id() -> str:
     return head
 
 
-def replica_reports() -> dict[str, dict]:
+def replica_reports() -> dict[str, ReplicaReport]:
     """The LLMServer replicas' latest reports, by replica id (the coordinator's copy)."""
     namespace, name = coordinator_address(APP)
     return ray.get(ray.get_actor(name, namespace=namespace).snapshot.remote())
@@ -149,8 +150,8 @@ def test_replicas_land_on_gpu_workers_scale_up_under_kv_pressure_and_back_down(f
     head = head_node_id()
     wait_for(lambda: len(replica_reports()) == 1, timeout_s=30)
     [first] = replica_reports().values()
-    assert first["node_id"] in worker_nodes() and first["node_id"] != head
-    assert first["device"] == "cpu"  # a fake GPU: torch sees none and the engine uses the CPU
+    assert first.node_id in worker_nodes() and first.node_id != head
+    assert first.device == "cpu"  # a fake GPU: torch sees none and the engine uses the CPU
 
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{HTTP_PORT}/v1", api_key="none", max_retries=0)
     answer = client.chat.completions.create(
@@ -185,7 +186,7 @@ def test_replicas_land_on_gpu_workers_scale_up_under_kv_pressure_and_back_down(f
         for thread in threads:
             thread.join(timeout=120)
     assert errors == []
-    nodes = {report["node_id"] for report in replica_reports().values()}
+    nodes = {report.node_id for report in replica_reports().values()}
     assert len(nodes) == 2 and nodes <= set(worker_nodes()) and head not in nodes
 
     # Idle: back to one replica, and the autoscaler removes the node it left.

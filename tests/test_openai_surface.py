@@ -13,6 +13,7 @@ from conftest import SERVE_HTTP_PORT, undeploy
 from ray import serve
 
 from deployments.app import build_app
+from replica.wire import ReplicaReport
 
 APP = "surface-test"
 MODEL = "SmolLM2-135M-Instruct"
@@ -80,7 +81,7 @@ def client(ray_cluster, model_path):
     undeploy(APP)
 
 
-def replica_stats() -> dict:
+def replica_stats() -> ReplicaReport:
     return serve.get_deployment_handle("LLMServer", app_name=APP).stats.remote().result()
 
 
@@ -185,9 +186,9 @@ def test_n_returns_n_choices_and_prefills_once(client):
     assert sorted(c.index for c in out.choices) == [0, 1, 2]
     assert len({c.text for c in out.choices}) > 1
     assert out.usage.completion_tokens == 3 * 6  # the prompt counts once
-    full_blocks = out.usage.prompt_tokens // before["block_size"]
-    assert after["prefix_cache_queries"] - before["prefix_cache_queries"] == 3 * full_blocks
-    assert after["prefix_cache_hits"] - before["prefix_cache_hits"] >= 2 * full_blocks
+    full_blocks = out.usage.prompt_tokens // before.block_size
+    assert after.prefix_cache_queries - before.prefix_cache_queries == 3 * full_blocks
+    assert after.prefix_cache_hits - before.prefix_cache_hits >= 2 * full_blocks
     # Streaming: every choice's chunks carry its index, and each finishes once.
     finishes = {}
     for chunk in client.chat.completions.create(model=MODEL, messages=ASK, n=2, max_tokens=5, stream=True):

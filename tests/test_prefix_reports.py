@@ -8,6 +8,7 @@ import time
 from collections import deque
 
 from kvcache import KVCacheManager, hash_full_blocks
+from replica.wire import ReplicaReport
 from router.kv_router import ReplicaView, RoutedRequest, cached_prefix_blocks, placement
 
 NUM_BLOCKS = 20_000
@@ -43,21 +44,30 @@ def churn(kv: KVCacheManager, system: list[int], rng: random.Random) -> int:
     return inserted - SYSTEM_BLOCKS  # the first request cached the system prompt itself
 
 
-def report(kv: KVCacheManager) -> dict:
-    """What ReplicaView.from_report reads of replica/deployment.py's _build_report."""
+def report(kv: KVCacheManager) -> ReplicaReport:
+    """An idle replica's report (replica/deployment.py's _build_report) over `kv`."""
     stats = kv.stats()
-    return {
-        "block_size": kv.block_size,
-        "max_model_len": 1 << 17,
-        "max_waiting": None,
-        "num_free_blocks": stats.num_free_blocks,
-        "num_total_blocks": stats.num_total_blocks,
-        "num_pending_blocks": 0,
-        "num_running": 0,
-        "num_waiting": 0,
-        "cached_block_hashes": kv.cached_prefix_summary(REPORTED),
-        "age_s": 0.0,
-    }
+    return ReplicaReport(
+        node_id="node",
+        deployment="LLMServer",
+        device="cpu",
+        tensor_parallel_size=1,
+        block_size=kv.block_size,
+        max_model_len=1 << 17,
+        max_waiting=None,
+        num_free_blocks=stats.num_free_blocks,
+        num_total_blocks=stats.num_total_blocks,
+        kv_cache_usage=stats.usage,
+        prefix_cache_queries=stats.prefix_cache_queries,
+        prefix_cache_hits=stats.prefix_cache_hits,
+        num_running=0,
+        num_waiting=0,
+        num_pending_blocks=0,
+        num_preemptions=0,
+        cpu_affinity=[0],
+        torch_threads=1,
+        cached_block_hashes=kv.cached_prefix_summary(REPORTED),
+    )
 
 
 def test_a_shared_system_prompt_stays_reported_and_routed_to_under_churn():

@@ -83,14 +83,14 @@ def test_priority_reaches_the_engine_input_from_http_and_grpc(tokenizer):
     """A request attribute beside the sampling fields, which travel to the replica with them."""
     frontend = FrontEnd(None, None, MODEL, tokenizer, len(tokenizer))
     http = asyncio.run(frontend.completion_input(CompletionRequest(prompt="Hi", priority=-2)))
-    assert http.params["priority"] == -2
+    assert http.request.priority == -2
     grpc = asyncio.run(
         frontend.completion_input(completion_body(pb.GenerateRequest(prompt="Hi", priority=3)))
     )
-    assert grpc.params["priority"] == 3
+    assert grpc.request.priority == 3
     chat = chat_body(pb.ChatRequest(messages=[pb.ChatMessage(role="user", content="Hi")], priority=4))
-    assert asyncio.run(frontend.chat_input(chat)).params["priority"] == 4
-    assert asyncio.run(frontend.completion_input(CompletionRequest(prompt="Hi"))).params["priority"] == 0
+    assert asyncio.run(frontend.chat_input(chat)).request.priority == 4
+    assert asyncio.run(frontend.completion_input(CompletionRequest(prompt="Hi"))).request.priority == 0
 
 
 def test_priority_crosses_the_openai_sdk_to_a_replica(agent_app):

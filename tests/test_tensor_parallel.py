@@ -96,8 +96,8 @@ def test_tp2_matches_hf_with_chunked_prefill_preemption_and_prefix_hits(ray_clus
         max_num_batched_tokens=16,
     )
     runner = llm.engine.runner
-    assert runner.group.world_size == 2 and len(runner.workers.actors) == 1
-    assert runner.num_kv_heads == 2  # rank 0's 2 of the model's 3 KV heads
+    assert runner.rank0.group.world_size == 2 and len(runner.workers.actors) == 1
+    assert runner.rank0.num_kv_heads == 2  # rank 0's 2 of the model's 3 KV heads
     assert _greedy(llm, prompts) == want
     stats = llm.engine.stats()
     assert stats.num_preemptions > 0
@@ -152,7 +152,7 @@ def test_tp2_random_model_with_replicated_kv_head_biases_and_odd_sizes(ray_clust
     prompts = [tokenizer(p).input_ids for p in ["Hello there", "A longer prompt with more tokens in it", "x"]]
     want = [hf_greedy(model, p, 12, set()) for p in prompts]
     llm = LLM(str(tmp_path), dtype="float32", tensor_parallel_size=2, block_size=4, max_num_batched_tokens=8)
-    assert llm.engine.runner.num_kv_heads == 1
+    assert llm.engine.runner.rank0.num_kv_heads == 1
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
 
@@ -221,7 +221,7 @@ def test_a_tp2_replica_serves_and_is_replaced_when_a_worker_dies(ray_cluster, mo
         namespace, name = coordinator_address(app)
         coordinator = ray.get_actor(name, namespace=namespace)
         (first_id, report), *others = ray.get(coordinator.snapshot.remote()).items()
-        assert not others and report["tensor_parallel_size"] == 2
+        assert not others and report.tensor_parallel_size == 2
         tables = ray.util.placement_group_table().values()
         assert any(
             len(pg["bundles"]) == 2 and pg["strategy"] == "STRICT_PACK" and pg["state"] == "CREATED"
@@ -274,7 +274,7 @@ def test_a_tp2_replica_beside_a_tp1_replica_shares_the_load(ray_cluster, model_p
         deadline = time.monotonic() + 60
         while len(reports := ray.get(coordinator.snapshot.remote())) < 2 and time.monotonic() < deadline:
             time.sleep(0.5)
-        by_shape = {r["deployment"]: (rid, r["tensor_parallel_size"]) for rid, r in reports.items()}
+        by_shape = {r.deployment: (rid, r.tensor_parallel_size) for rid, r in reports.items()}
         assert {shape for _, shape in by_shape.values()} == {1, 2}, by_shape
 
         # Distinct prompts of 2 full blocks each: every request queries 2 blocks of the
@@ -285,7 +285,7 @@ def test_a_tp2_replica_beside_a_tp1_replica_shares_the_load(ray_cluster, model_p
         client = openai.OpenAI(
             base_url=f"http://127.0.0.1:{SERVE_HTTP_PORT}/mix/v1", api_key="x", max_retries=0, timeout=120
         )
-        before = {rid: r["prefix_cache_queries"] for rid, r in ray.get(coordinator.snapshot.remote()).items()}
+        before = {rid: r.prefix_cache_queries for rid, r in ray.get(coordinator.snapshot.remote()).items()}
 
         async def burst(batch: list[str]) -> list[str]:
             aclient = openai.AsyncOpenAI(base_url=client.base_url, api_key="x", max_retries=0, timeout=120)
@@ -301,7 +301,7 @@ def test_a_tp2_replica_beside_a_tp1_replica_shares_the_load(ray_cluster, model_p
         assert texts == [o.text for o in want]
         time.sleep(0.5)  # the replicas' next reports
         after = ray.get(coordinator.snapshot.remote())
-        taken = {rid: (after[rid]["prefix_cache_queries"] - before[rid]) // 2 for rid in before}
+        taken = {rid: (after[rid].prefix_cache_queries - before[rid]) // 2 for rid in before}
         assert sum(taken.values()) == 16, taken
         assert min(taken.values()) >= 4, taken  # neither group sat out, nor took nearly all
     finally:

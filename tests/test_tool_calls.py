@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from replica.llm import chat_prompt_ids, load_chat_template
+from replica.chat_template import chat_prompt_ids, load_chat_template
 from router.tool_calls import ToolCallStream, parse
 
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
