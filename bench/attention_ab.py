@@ -8,7 +8,8 @@ and the two run the same calls in turns, so that machine noise falls on both. Ca
 - decode: one new token per sequence over contexts of about `--context` tokens.
 In bf16 (the default) or, with --dtype float32, fp32, which takes the generic pages.
 It reports each build's median and best time per 30 layers, their ratios, and whether
-the two wrote the same outputs and KV caches bit for bit.
+the two wrote the same outputs and KV caches bit for bit. Both commits must declare the
+same C ABI (replica/cpu/kvserve_abi.h), since one set of Python bindings calls both.
 
     python bench/attention_ab.py --base a816bf1 --name store_outputs_one_pass
 """
@@ -58,7 +59,10 @@ def build_at(commit: str, where: Path) -> ctypes.CDLL:
     if result.returncode != 0:
         raise RuntimeError(f"building {commit}'s kernels failed:\n{result.stderr[-2000:]}")
     lib = ctypes.CDLL(str(target))
-    build._declare(lib)
+    try:
+        build._declare(lib)  # this checkout's bindings: the two commits must share the ABI
+    except (AttributeError, RuntimeError) as e:
+        raise SystemExit(f"{commit}'s kernels do not have this checkout's C ABI (kvserve_abi.h): {e}") from e
     return lib
 
 

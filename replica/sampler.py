@@ -5,7 +5,7 @@ inverse-CDF sampling: one uniform draw per row, looked up in the row's cumulativ
 probabilities. That samples exactly from p, lets seeded rows draw from their own
 generator without a per-row sampler, and costs one random number per row, where the
 Gumbel-max trick needs one per vocabulary entry (on CPU, drawing [B, V] exponentials
-took a sixth of a serving step in a py-spy profile). Greedy rows take the argmax of
+costs a large share of a decode step). Greedy rows take the argmax of
 the (penalised) logits.
 """
 

@@ -93,9 +93,9 @@ class OpenAIIngress(GrpcAPI):
         self.scorer = RelevanceScorer(self.frontend)
 
     async def _send_warm_up(self) -> None:
-        """The first request through a fresh handle, router and replica connection took
-        1.7 s where later ones took 0.5 s; this one pays that instead of a client's. Not
-        counted in /metrics, and shorter than a block, so nothing is prefix-cached."""
+        """The first request through a fresh handle, router and replica connection pays
+        for their lazy set-up; this one pays it instead of a client's. Not counted in
+        /metrics, and shorter than a block, so nothing is prefix-cached."""
         try:
             for llm in self.llms:  # each replica group's
                 request = GenerateRequest(

@@ -64,8 +64,8 @@ async def cancel_when(tasks: list[asyncio.Task], condition) -> None:
     assert all(isinstance(r, asyncio.CancelledError) for r in results), results
 
 
-def totals(replicas: dict[str, dict], key: str) -> int:
-    return sum(s[key] for s in replicas.values())
+def totals(replicas: dict[str, ReplicaReport], field: str) -> int:
+    return sum(getattr(s, field) for s in replicas.values())
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["streaming", "non-streaming"])
@@ -90,7 +90,7 @@ def test_cancelled_requests_leave_every_replica_idle_with_all_blocks_free(app, s
 
         tasks = [asyncio.create_task(request()) for _ in range(6)]
 
-        def ready(replicas: dict[str, dict]) -> bool:
+        def ready(replicas: dict[str, ReplicaReport]) -> bool:
             busy = totals(replicas, "num_running") == 2 and totals(replicas, "num_waiting") == 4
             # Decode: tokens are flowing (for a stream, the client has some). Prefill:
             # cancel at once, long before a 600-token prompt is through at 16 a step.

@@ -214,10 +214,16 @@ def clock(monkeypatch) -> Clock:
 
 @pytest.fixture
 def router(clock) -> KVAwareRouter:
+    # Serve's PendingRequest makes its future on the current event loop, and an earlier
+    # test's asyncio.run may have left this thread without one.
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
     router = KVAwareRouter(DEPLOYMENT, DeploymentHandleSource.UNKNOWN)
     router.initialize_state()
     router._use_snapshot({"a": replica_report(), "b": replica_report()}, clock.now)
-    return router
+    yield router
+    asyncio.set_event_loop(None)
+    loop.close()
 
 
 def pending(request_id: str, max_tokens: int = 8, prompt: list[int] = PROMPT) -> PendingRequest:
