@@ -45,7 +45,9 @@ else:
 """
 
 
-def run_offline(tree: Path, workloads: list[str], threads: int, out: Path) -> dict[str, float]:
+def run_offline(
+    tree: Path, workloads: list[str], threads: int, out: Path, more: list[str] = ()
+) -> dict[str, float]:
     """Output tok/s per case of one offline.py run of kvserve_continuous in `tree`."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     where = subprocess.run(
@@ -59,6 +61,7 @@ def run_offline(tree: Path, workloads: list[str], threads: int, out: Path) -> di
     assert where.startswith(str(tree)), f"kvserve came from {where}, not {tree}"
     command = [sys.executable, "-c", LAUNCH, "bench/offline.py", "--systems", "kvserve_continuous"]
     command += ["--workloads", *workloads, "--threads", str(threads), "--repeats", "1", "--out", str(out)]
+    command += list(more)
     subprocess.run(command, cwd=tree, env=env, check=True)
     result = json.loads(out.read_text())
     return {r["case"]: r["systems"]["kvserve_continuous"]["output_tokens_per_s"] for r in result["results"]}
@@ -74,6 +77,11 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=["anyscale", "mixed"])
     parser.add_argument("--threads", type=int, default=2, help="offline.py's torch threads")
     parser.add_argument("--out", type=Path, default=RESULTS / "ab_commits_cpu.json")
+    parser.add_argument(
+        "--offline-args",
+        default="",
+        help='more bench/offline.py arguments for both commits, e.g. "--dtype float32 --caps 32"',
+    )
     args = parser.parse_args()
     commits = {
         name: subprocess.run(
@@ -89,7 +97,13 @@ def main() -> None:
                 order = ("base", "head") if round_ % 2 == 0 else ("head", "base")
                 for name in order:
                     runs[name].append(
-                        run_offline(trees[name], args.workloads, args.threads, Path(tmp) / f"{name}.json")
+                        run_offline(
+                            trees[name],
+                            args.workloads,
+                            args.threads,
+                            Path(tmp) / f"{name}.json",
+                            args.offline_args.split(),
+                        )
                     )
                     print(name, round_, runs[name][-1], flush=True)
         finally:
@@ -112,6 +126,7 @@ def main() -> None:
         "benchmark": "bench/ab_commits.py: kvserve_continuous of bench/offline.py at two commits, in turns",
         "commits": commits,
         "rounds": args.rounds,
+        "offline_args": args.offline_args,
         "machine": machine(threads=args.threads),
         "cases": cases,
     }
