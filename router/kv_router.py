@@ -43,7 +43,7 @@ import logging
 import random
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -244,6 +244,9 @@ class KVAwareRouter(RequestRouter):
         # Serve's internal request id -> the request's place in what a replica owes
         self._owed: dict[str, OwedRequest] = {}
         self._refresher: asyncio.Task | None = None
+        # What every time in this router's account is read from; the snapshots' asked_at
+        # comes from the same clock (time.monotonic()). Tests move their own by hand.
+        self.clock: Callable[[], float] = time.monotonic
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -278,7 +281,7 @@ class KVAwareRouter(RequestRouter):
         first = random.choice(ranks[0])
         ties = [i for i in ranks[0] if i != first]
         blocks, cached = blocks_needed(request, views[first])
-        self._owed[internal_id] = OwedRequest(first.unique_id, blocks, cached, time.monotonic())
+        self._owed[internal_id] = OwedRequest(first.unique_id, blocks, cached, self.clock())
         return [[first]] + ([ties] if ties else []) + ranks[1:]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
@@ -289,14 +292,14 @@ class KVAwareRouter(RequestRouter):
         if request is not None and view is not None:
             blocks, cached = blocks_needed(request, view)
             self._owed[internal_id] = OwedRequest(
-                replica_id.unique_id, blocks, cached, time.monotonic(), routed=True
+                replica_id.unique_id, blocks, cached, self.clock(), routed=True
             )
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         """Also called for a replica that refused the request (it is then not routed there)."""
         owed = self._owed.get(internal_request_id)
         if owed is not None and owed.routed and owed.replica_id == replica_id.unique_id:
-            owed.completed_at = time.monotonic()
+            owed.completed_at = self.clock()
 
     def _owed_by_replica(self) -> dict[str, int]:
         """owed_blocks of every replica with a view."""
@@ -317,7 +320,7 @@ class KVAwareRouter(RequestRouter):
     def _use_snapshot(self, snapshot: dict[str, ReplicaReport], asked_at: float) -> None:
         """An empty snapshot (coordinator gone) drops the views: routing falls back at once."""
         self._views = {rid: ReplicaView.from_report(r, asked_at) for rid, r in snapshot.items()}
-        now = time.monotonic()
+        now = self.clock()
         for internal_id, owed in list(self._owed.items()):
             view = self._views.get(owed.replica_id)
             reported_at = view.reported_at if view is not None else float("-inf")

@@ -20,7 +20,6 @@ from deployments.app import build_app
 from kvcache import KVCacheManager, hash_full_blocks
 from replica import SamplingParams
 from replica.wire import GenerateRequest, ReplicaReport
-from router import kv_router
 from router.coordinator import coordinator_address, follow_snapshots, get_coordinator
 from router.kv_router import (
     ARRIVAL_MARGIN_S,
@@ -206,10 +205,8 @@ class Clock:
 
 
 @pytest.fixture
-def clock(monkeypatch) -> Clock:
-    clock = Clock()
-    monkeypatch.setattr(kv_router, "time", clock)
-    return clock
+def clock() -> Clock:
+    return Clock()
 
 
 @pytest.fixture
@@ -220,6 +217,7 @@ def router(clock) -> KVAwareRouter:
     asyncio.set_event_loop(loop)
     router = KVAwareRouter(DEPLOYMENT, DeploymentHandleSource.UNKNOWN)
     router.initialize_state()
+    router.clock = clock.monotonic
     router._use_snapshot({"a": replica_report(), "b": replica_report()}, clock.now)
     yield router
     asyncio.set_event_loop(None)
