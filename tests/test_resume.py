@@ -71,9 +71,10 @@ def test_resumed_requests_go_on_exactly_inside_a_batch(llm_fp32):
     prompts = [f"Story {i}: once upon a time, in a town by the sea," for i in range(16)]
     seeds = [None] * 8 + list(range(8))
     params = [
-        SamplingParams(max_tokens=32, ignore_eos=True, temperature=0.0, seed=None)
-        if seed is None
-        else SamplingParams(max_tokens=32, ignore_eos=True, temperature=0.8, top_k=20, seed=seed)
+        # top_k leaves the greedy rows' argmax as it is.
+        SamplingParams(
+            max_tokens=32, ignore_eos=True, temperature=0.8 if seed is not None else 0, top_k=20, seed=seed
+        )
         for seed in seeds
     ]
 
