@@ -62,15 +62,16 @@ class KVCacheManager:
         entry = self._requests.get(request_id)
         return [] if entry is None else [b.block_id for b in entry.blocks]
 
-    def find_cached_prefix(self, token_ids: Sequence[int]) -> CachedPrefix:
+    def find_cached_prefix(self, token_ids: Sequence[int], root: bytes = ROOT_HASH) -> CachedPrefix:
         """Longest run of cached full blocks matching the start of token_ids.
 
         The last token is never taken from cache: the model must run on at least one
-        token to produce logits.
+        token to produce logits. root: the first block's parent hash (a LoRA adapter's
+        requests chain from their own, so they share KV only with each other).
         """
         if not self.enable_prefix_caching:
             return CachedPrefix([], 0)
-        hashes = hash_full_blocks(token_ids[: len(token_ids) - 1], self.block_size)
+        hashes = hash_full_blocks(token_ids[: len(token_ids) - 1], self.block_size, root)
         hits: list[Block] = []
         for block_hash in hashes:
             block = self.pool.lookup(block_hash)
@@ -108,13 +109,16 @@ class KVCacheManager:
         entry.blocks.extend(self.pool.allocate(new))
         return True
 
-    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed: int) -> None:
-        """Publish the blocks that became full once num_computed tokens hold KV."""
+    def cache_full_blocks(
+        self, request_id: str, token_ids: Sequence[int], num_computed: int, root: bytes = ROOT_HASH
+    ) -> None:
+        """Publish the blocks that became full once num_computed tokens hold KV; root as
+        in find_cached_prefix."""
         if not self.enable_prefix_caching:
             return
         entry = self._requests[request_id]
         num_full = min(num_computed // self.block_size, len(entry.blocks))
-        parent = entry.hashes[-1] if entry.hashes else ROOT_HASH
+        parent = entry.hashes[-1] if entry.hashes else root
         for i in range(len(entry.hashes), num_full):
             start = i * self.block_size
             parent = hash_block(parent, token_ids[start : start + self.block_size])

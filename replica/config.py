@@ -55,6 +55,13 @@ class EngineConfig:
     # machine (replica/cpu/kernel_choice.py; timings cached in ~/.cache/kvserve/kernels).
     # "gemm.c", "onednn" or "torch" force one, for A/B runs.
     cpu_kernels: str = "auto"
+    # LoRA adapters (replica/lora/), vLLM's arguments: max_loras adapters in one step,
+    # each of rank <= max_lora_rank; max_cpu_loras adapters kept loaded (None: max_loras),
+    # the least recently used one dropped past it.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         positive = (
@@ -63,6 +70,8 @@ class EngineConfig:
             "max_num_seqs",
             "cuda_graph_max_batch",
             "tensor_parallel_size",
+            "max_loras",
+            "max_lora_rank",
         )
         for name in positive:
             if getattr(self, name) < 1:
@@ -71,6 +80,10 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.max_waiting is not None and self.max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora does not yet work with tensor_parallel_size > 1")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if not 0 < self.gpu_memory_utilization <= 1:

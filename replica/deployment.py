@@ -23,6 +23,7 @@ from replica.config import EngineConfig
 from replica.cpu.affinity import CorePlan, pin_process
 from replica.engine import Engine
 from replica.engine_loop import EngineLoop
+from replica.lora.request import LoRARequest
 from replica.report_pusher import PUSH_INTERVAL_S, ReportPusher
 from replica.stream_chunks import stream_chunks
 from replica.streams import RequestStreams
@@ -77,6 +78,8 @@ class LLMServer:
         stream = self.streams.open(request_id)
         unfinished = request.sampling.n  # samples; each chunk carries one sample's new output
         try:
+            if request.lora is not None:
+                await self._load_lora(request.lora)
             await self._call_engine(
                 self.engine.add_request,
                 request.prompt,
@@ -84,6 +87,7 @@ class LLMServer:
                 request_id,
                 request.resume_token_ids,
                 request.priority,
+                request.lora,
             )
             while unfinished:
                 deltas = await stream.next_deltas()
@@ -95,6 +99,15 @@ class LLMServer:
             if unfinished:
                 # Not awaited: this also runs while the caller's task is being cancelled.
                 self.engine_loop.call(self.engine.abort, request_id)
+
+    async def _load_lora(self, lora: LoRARequest) -> None:
+        """Load an adapter where its request lands: its files are read on a thread of
+        its own, so the engine keeps stepping the running requests meanwhile; only
+        keeping it (add_lora) is the engine thread's."""
+        if lora in await self._call_engine(self.engine.list_loras):
+            return
+        weights = await asyncio.to_thread(self.engine.read_lora, lora)
+        await self._call_engine(self.engine.add_lora, lora, weights)
 
     async def stats(self) -> ReplicaReport:
         """This replica's report, fresh, without its cached block hashes."""
@@ -134,6 +147,10 @@ class LLMServer:
             num_waiting=s.num_waiting,
             num_pending_blocks=s.num_pending_blocks,
             num_preemptions=s.num_preemptions,
+            loras=s.loras,
+            running_loras=s.running_loras,
+            waiting_loras=s.waiting_loras,
+            max_loras=config.max_loras if config.enable_lora else 0,
             cpu_affinity=sorted(os.sched_getaffinity(0)),  # the engine thread's
             torch_threads=torch.get_num_threads(),
         )
@@ -145,8 +162,13 @@ class LLMServer:
         return replace(self._stats(), cached_block_hashes=hashes)
 
     def _refresh_report(self) -> None:
-        """On the engine thread, so the report reads engine state between steps."""
+        """On the engine thread, so the report reads engine state between steps. An
+        adapter unloaded from the application (no longer registered) goes here too, once
+        no request uses it."""
         if self.reports.is_due():
+            registered = self.reports.registered_loras
+            if registered is not None:
+                self.engine.retain_loras(registered)
             self.reports.update(self._build_report())
 
     def _fail_all(self, error: Exception) -> None:

@@ -14,6 +14,10 @@ from replica.config import EngineConfig
 from replica.constraints import GrammarCompiler, apply_logit_bias
 from replica.cpu.affinity import CorePlan
 from replica.detokenizer import IncrementalDetokenizer
+from replica.lora.adapter_files import LoRAAdapterError, read_adapter
+from replica.lora.cache import AdapterCache
+from replica.lora.request import LoRARequest
+from replica.lora.weights import AdapterWeights, load_adapter_weights
 from replica.model_loader import resolve_model
 from replica.model_runner import ModelRunner
 from replica.outputs import RequestDelta, TokenLogprob
@@ -23,7 +27,7 @@ from replica.sample_group import SampleGroup
 from replica.sampler import SamplerOutput, sample, torch_argmax
 from replica.sampling_params import SamplingParams
 from replica.sampling_state import SamplingState
-from replica.scheduler import Scheduler
+from replica.scheduler import ScheduledRequest, Scheduler
 
 # The errors cross to the ingress (wire.py); EngineStepError is imported for the callers
 # that know it as replica.engine.EngineStepError.
@@ -39,6 +43,10 @@ class EngineStats:
     num_waiting: int
     num_pending_blocks: int
     num_preemptions: int
+    # LoRA: adapters loaded (least recently used first), of running and of waiting requests
+    loras: list[str]
+    running_loras: list[str]
+    waiting_loras: list[str]
 
 
 @dataclass
@@ -67,8 +75,14 @@ class Engine:
         self.config = config = replace(config, block_size=self.runner.block_size)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            self.kv, config.max_num_batched_tokens, config.max_num_seqs, config.scheduling_policy
+            self.kv,
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            config.scheduling_policy,
+            max_loras=config.max_loras if config.enable_lora else 0,
         )
+        # LoRA adapters loaded in host memory (replica/lora/); None with enable_lora off.
+        self.loras = AdapterCache(config.max_cpu_loras or config.max_loras) if config.enable_lora else None
         self.max_model_len = self.runner.max_model_len
         self.eos_token_ids = _eos_ids(self.runner.model.generation_config, self.tokenizer)
         self._requests: dict[str, Request] = {}
@@ -94,16 +108,66 @@ class Engine:
         request_id: str | None = None,
         resume_token_ids: list[int] | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """resume_token_ids: output a request already produced elsewhere (a replica that
         died mid-stream); the request continues after it as if it had sampled it here.
         priority: under the priority scheduling policy, lower values are served first; as
-        in vLLM, a request attribute rather than a sampling parameter."""
+        in vLLM, a request attribute rather than a sampling parameter. lora_request: the
+        adapter to run with, loaded here first if it is not yet (add_lora)."""
         waiting = len(self.scheduler.waiting)
         if self.config.max_waiting is not None and waiting >= self.config.max_waiting:
             raise QueueFullError(f"{waiting} requests are already waiting (max_waiting)")
         self._check_priority(priority)
-        return self._add(prompt, params or SamplingParams(), request_id, resume_token_ids or [], priority)
+        if lora_request is not None:
+            self.add_lora(lora_request)
+        return self._add(
+            prompt, params or SamplingParams(), request_id, resume_token_ids or [], priority, lora_request
+        )
+
+    def read_lora(self, lora: LoRARequest) -> AdapterWeights:
+        """An adapter's weights, read from its files and checked against this model. Touches
+        no engine state, so a server runs it off the engine's thread, then add_lora."""
+        if self.loras is None:
+            raise LoRAAdapterError("LoRA adapters are off: start the engine with enable_lora=True")
+        spec = read_adapter(lora.lora_path, self.runner.hf_config.to_dict(), self.config.max_lora_rank)
+        return load_adapter_weights(spec, self.runner.dtype)
+
+    def add_lora(self, lora: LoRARequest, weights: AdapterWeights | None = None) -> None:
+        """Keep an adapter loaded (read_lora's weights, or read now), dropping the least
+        recently used idle one past max_cpu_loras. Raises LoRAAdapterError if it cannot
+        be served."""
+        if self.loras is None:
+            raise LoRAAdapterError("LoRA adapters are off: start the engine with enable_lora=True")
+        if lora in self.loras:
+            self.loras.get(lora)  # now the most recently used
+            return
+        self.loras.put(lora, weights or self.read_lora(lora), self._loras_in_use())
+
+    def remove_lora(self, lora_name: str) -> bool:
+        """Drop an adapter that no request uses; False if it is not loaded or in use."""
+        return self._drop_loras(lambda lora: lora.lora_name == lora_name)
+
+    def retain_loras(self, lora_int_ids: frozenset[int]) -> None:
+        """Drop the loaded adapters whose ids are not among these, once no request uses them."""
+        self._drop_loras(lambda lora: lora.lora_int_id not in lora_int_ids)
+
+    def _drop_loras(self, which) -> bool:
+        if self.loras is None:
+            return False
+        in_use = self._loras_in_use()
+        dropped = [lora for lora in self.loras.adapters() if which(lora) and lora not in in_use]
+        for lora in dropped:
+            self.loras.remove(lora)
+        return bool(dropped)
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The adapters loaded, least recently used first."""
+        return [] if self.loras is None else self.loras.adapters()
+
+    def _loras_in_use(self) -> set[LoRARequest]:
+        requests = [*self._requests.values(), *(r for g in self._groups.values() for r in g.deferred)]
+        return {r.lora for r in requests if r.lora is not None}
 
     def _add(
         self,
@@ -112,6 +176,7 @@ class Engine:
         request_id: str | None,
         resume_token_ids: list[int] = (),
         priority: int = 0,
+        lora: LoRARequest | None = None,
     ) -> str:
         """With n > 1 the samples are requests of their own, in a SampleGroup: only the
         first is scheduled at once, the others once its prefill has cached the prompt."""
@@ -127,7 +192,7 @@ class Engine:
         if params.n == 1:
             if resume_token_ids:  # its prompt logprobs went out with its first chunk, elsewhere
                 params = replace(params, prompt_logprobs=None)
-            request = self._new_request(request_id, text, token_ids, params, priority=priority)
+            request = self._new_request(request_id, text, token_ids, params, priority=priority, lora=lora)
             if resume_token_ids:
                 self._resume(request, list(resume_token_ids))
             self._admit(request)
@@ -143,6 +208,7 @@ class Engine:
                 group_id=request_id,
                 index=i,
                 priority=priority,
+                lora=lora,
             )
             for i in range(params.n)
         ]
@@ -159,6 +225,7 @@ class Engine:
         group_id: str | None = None,
         index: int = 0,
         priority: int = 0,
+        lora: LoRARequest | None = None,
     ) -> Request:
         room = self.max_model_len - len(token_ids)
         generator = None
@@ -185,6 +252,7 @@ class Engine:
             group_id=group_id,
             index=index,
             priority=priority,
+            lora=lora,
         )
 
     def _resume(self, request: Request, output_ids: list[int]) -> None:
@@ -281,6 +349,8 @@ class Engine:
             previous = self._in_flight.sampled.token_ids
             fill = (list(rows), previous[torch.tensor(sources, device=device)])
         prompt = plan_prompt_rows(items)
+        for slot, lora in plan.lora_loads:
+            self.runner.load_lora(slot, self.loras.get(lora))
         logits = self.runner.execute(
             token_ids=token_ids,
             context_lens=[s.context_len for s in items],
@@ -288,6 +358,7 @@ class Engine:
             sample_rows=sample_rows,
             fill=fill,
             prompt_rows=prompt.rows if prompt is not None else None,
+            lora_slots=self._lora_slots(items),
         )
         self.scheduler.advance(plan)
         prompt_logprobs = None
@@ -306,6 +377,13 @@ class Engine:
             request.num_pending += 1
             request.pending_row = row
         return _InFlight(requests, sampled, prompt_logprobs)
+
+    def _lora_slots(self, items: list[ScheduledRequest]) -> list[int] | None:
+        """Each row's adapter slot (-1: the base model), or None if no row has one."""
+        if not any(s.request.lora is not None for s in items):
+            return None
+        slot_of = self.scheduler.lora_slots.slot_of
+        return [-1 if s.request.lora is None else slot_of(s.request.lora) for s in items]
 
     def _complete(self, launched: _InFlight) -> list[RequestDelta]:
         if launched.prompt_logprobs is not None:  # before the tokens: a first delta carries them
@@ -336,6 +414,9 @@ class Engine:
             num_waiting=len(self.scheduler.waiting),
             num_pending_blocks=self.scheduler.num_pending_blocks(),
             num_preemptions=self.scheduler.num_preemptions,
+            loras=[lora.lora_name for lora in self.list_loras()],
+            running_loras=_names(r.lora for r in self.scheduler.running),
+            waiting_loras=_names(r.lora for r in self.scheduler.waiting),
         )
 
     def _append_token(self, request: Request, token: int, logprob: TokenLogprob | None) -> RequestDelta:
@@ -441,6 +522,10 @@ class Engine:
     def cached_prefix_summary(self, limit: int) -> list[bytes]:
         """The newest cached block hashes, at most `limit`; see KVCacheManager."""
         return self.kv.cached_prefix_summary(limit)
+
+
+def _names(loras) -> list[str]:
+    return sorted({lora.lora_name for lora in loras if lora is not None})
 
 
 def _sample_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -7,6 +7,7 @@ from tqdm.auto import tqdm
 from replica.chat_template import Message, chat_prompt_ids, default_chat_template, load_chat_template
 from replica.config import EngineConfig
 from replica.engine import Engine
+from replica.lora.request import LoRARequest
 from replica.outputs import RequestOutput, merge_samples
 from replica.sampling_params import SamplingParams
 
@@ -29,9 +30,11 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """priority: one per prompt, for an engine with scheduling_policy="priority"
-        (lower values first), as in vLLM."""
+        (lower values first), as in vLLM. lora_request: the adapter every prompt runs
+        with, or one per prompt (None: the base model), for an engine with enable_lora."""
         prompts = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
@@ -43,10 +46,17 @@ class LLM:
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(priorities)} priorities")
 
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(prompts)} prompts but {len(loras)} LoRA requests")
+
         request_ids = []
         try:
-            for prompt, p, rank in zip(prompts, params, priorities, strict=True):
-                request_ids.append(self.engine.add_request(prompt, p, priority=rank))
+            for prompt, p, rank, lora in zip(prompts, params, priorities, loras, strict=True):
+                request_ids.append(self.engine.add_request(prompt, p, priority=rank, lora_request=lora))
         except Exception:
             for request_id in request_ids:
                 self.engine.abort(request_id)

@@ -44,6 +44,9 @@ from replica.kv_sizing import (
     largest_step,
     measure_kv_blocks_on_gpu,
 )
+from replica.lora.batch import LoRABatch
+from replica.lora.layers import wrap_targets
+from replica.lora.weights import AdapterWeights
 from replica.model_loader import ModelNotFoundError
 from replica.parallel.group import TPGroup
 from replica.parallel.sharding import num_kv_heads, shard_model
@@ -105,7 +108,9 @@ class ModelRunner:
         fused = None
         if name == CPU_KERNELS:
             chooser = KernelChooser(config.cpu_kernels, max_rows=config.max_num_batched_tokens)
-            fused = optimize_for_cpu(self.model, chooser, max_logit_rows=config.max_num_seqs)
+            fused = optimize_for_cpu(
+                self.model, chooser, max_logit_rows=config.max_num_seqs, lora=config.enable_lora
+            )
             cpu_ops.FRESH_PREFILLS_BY_SDPA = chooser.fresh_prefills_by_sdpa(
                 q_heads, kv_heads, head_dim, self.block_size, self.dtype
             )
@@ -115,6 +120,12 @@ class ModelRunner:
         # the packed rows `rows` ([R] indices; None: every row), [1, R, E]
         self.run_decoder = fused or _transformers_decoder(self.model.get_decoder())
         self.lm_head = self.model.get_output_embeddings()
+        # Each target projection with max_loras slots for adapters' weights (replica/lora/).
+        self.lora_layers = (
+            wrap_targets(fused or self.model.get_decoder(), config.max_loras, config.max_lora_rank)
+            if config.enable_lora
+            else []
+        )
 
         self.hf_config = hf
         self.num_layers = hf.num_hidden_layers
@@ -197,16 +208,24 @@ class ModelRunner:
         finally:
             self.kv_caches = []
 
+    @torch.inference_mode()
+    def load_lora(self, slot: int, adapter: AdapterWeights | None) -> None:
+        """Put an adapter's weights in `slot` of every target projection (None: clear it).
+        Queued on the device's stream, so a step still running reads the old ones."""
+        for layer in self.lora_layers:
+            layer.set_slot(slot, adapter)
+
     def _forward(
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         meta: AttentionMetadata,
         rows: torch.Tensor | None = None,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         """The decoder over one packed [1, T] batch -> hidden states [1, T, E], or [1, R, E]
         of the R packed rows `rows` (the others' last layer is cut short, see FusedDecoder)."""
-        with forward_context(ForwardContext(self.kv_caches, meta)):
+        with forward_context(ForwardContext(self.kv_caches, meta, lora)):
             return self.run_decoder(input_ids, position_ids, rows)
 
     def _forward_packed(
@@ -216,12 +235,18 @@ class ModelRunner:
         block_tables: list[list[int]],
         fill: Fill | None = None,
         rows: list[int] | None = None,
+        lora_slots: list[int] | None = None,
     ) -> torch.Tensor:
-        """rows: the packed rows whose hidden states are wanted (None: all)."""
+        """rows: the packed rows whose hidden states are wanted (None: all). lora_slots:
+        each row's adapter slot (-1: none), or None where no row has an adapter."""
         packed = pack_inputs(token_ids, context_lens, block_tables, self.block_size, self.device, fill)
         if rows is not None:
             rows = torch.tensor(rows, dtype=torch.long, device=self.device)
-        return self._forward(packed.input_ids, packed.position_ids, packed.meta, rows)
+        lora = None
+        if lora_slots is not None:
+            token_slots = [slot for slot, tokens in zip(lora_slots, token_ids, strict=True) for _ in tokens]
+            lora = LoRABatch(torch.tensor(token_slots, dtype=torch.long, device=self.device))
+        return self._forward(packed.input_ids, packed.position_ids, packed.meta, rows, lora)
 
     def _share_fill(self, fill: Fill | None, fill_rows: list[int] | None) -> Fill | None:
         """Rank 0's device-held tokens, broadcast to the ranks that only know their rows."""
@@ -244,6 +269,7 @@ class ModelRunner:
         fill: Fill | None = None,
         fill_rows: list[int] | None = None,
         prompt_rows: list[int] | None = None,
+        lora_slots: list[int] | None = None,
     ) -> torch.Tensor | None:
         """One packed forward. Row i feeds token_ids[i] as the last tokens of a context of
         context_lens[i]; rows must be ordered decodes first. `fill` gives decode rows whose
@@ -255,19 +281,24 @@ class ModelRunner:
 
         prompt_rows: packed token indices, ascending, whose logits are wanted too (prompt
         logprobs); their logits follow the sampling rows'. Such a step takes the eager
-        path, whose row selection can pick any rows."""
+        path, whose row selection can pick any rows.
+
+        lora_slots: each row's LoRA adapter slot (load_lora), -1 for the base model; None
+        where no row has one. Steps with adapter rows run eagerly, not as CUDA graphs."""
         if self.group is not None:
             fill = self._share_fill(fill, fill_rows)
         query_lens = [len(t) for t in token_ids]
         pure_decode = all(q == 1 for q in query_lens)
-        graphs = self.graphs is not None and pure_decode and not prompt_rows
+        graphs = self.graphs is not None and pure_decode and not prompt_rows and lora_slots is None
         if graphs and self.graphs.can_run(len(token_ids)):
             hidden = self.graphs.run([t[0] for t in token_ids], context_lens, block_tables, fill)  # [n, E]
             hidden = hidden if len(sample_rows) == len(token_ids) else hidden[sample_rows]
         else:
             rows, order = rows_to_keep(query_lens, sample_rows, prompt_rows)
             with self.cores.for_step(sum(query_lens)) if self.cores else contextlib.nullcontext():
-                hidden = self._forward_packed(token_ids, context_lens, block_tables, fill, rows)[0]  # [R, E]
+                hidden = self._forward_packed(token_ids, context_lens, block_tables, fill, rows, lora_slots)[
+                    0
+                ]
             if order is not None:
                 hidden = hidden[torch.tensor(order, dtype=torch.long, device=hidden.device)]
         if not sample_rows and not prompt_rows:

@@ -20,6 +20,9 @@ class ReportPusher:
         self.replica_id = replica_id
         # (when it was built, the report): replaced whole, so the push thread reads a pair.
         self._latest: tuple[float, ReplicaReport] = (time.monotonic(), report)
+        # The ids of the LoRA adapters the application has registered, as the coordinator
+        # last answered (None: not heard yet): the replica drops loaded ones not among them.
+        self.registered_loras: frozenset[int] | None = None
 
     def is_due(self) -> bool:
         """Whether the latest report is at least one push interval old."""
@@ -45,6 +48,7 @@ class ReportPusher:
                 # own clocks, which may be set differently from this node's.
                 report = replace(report, age_s=time.monotonic() - built_at)
                 # Waited on, so that a dead coordinator shows up as an error here.
-                ray.get(coordinator.report.remote(self.replica_id, report), timeout=2.0)
+                registered = ray.get(coordinator.report.remote(self.replica_id, report), timeout=2.0)
+                self.registered_loras = frozenset(registered)
             except Exception:
                 coordinator = None

@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 import llguidance
 import torch
 
+from kvcache.hashing import ROOT_HASH
 from replica.detokenizer import IncrementalDetokenizer
+from replica.lora.request import LoRARequest
 from replica.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from replica.sampling_params import SamplingParams
 
@@ -64,6 +66,7 @@ class Request:
     # when a step is launched, so a recompute after preemption does not compute it again.
     prompt_logprobs: list[TokenLogprob | None] | None = None
     next_prompt_logprob: int = 1
+    lora: LoRARequest | None = None  # the adapter it runs with; None: the base model
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -72,6 +75,11 @@ class Request:
             self.logprobs = []
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = [None]
+
+    @property
+    def block_hash_root(self) -> bytes:
+        """Where its block hashes chain from: its adapter's KV is not the base model's."""
+        return ROOT_HASH if self.lora is None else self.lora.block_hash_root
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -13,6 +13,11 @@ schedules exactly as `fcfs` does.
 
 The `static` policy exists only as the benchmark baseline: a new batch is admitted
 only once every request of the previous batch has finished.
+
+With LoRA adapters, a step serves at most max_loras of them (lora/slots.py). A waiting
+request whose adapter finds no slot waits, and so does every adapter request behind it,
+so that the adapters already running cannot keep its slot from freeing up; requests for
+the base model still go past it.
 """
 
 import bisect
@@ -20,6 +25,8 @@ from dataclasses import dataclass, field
 
 from kvcache import KVCacheManager
 from kvcache.kv_manager import CachedPrefix, cdiv
+from replica.lora.request import LoRARequest
+from replica.lora.slots import LoRASlots
 from replica.request import FinishReason, Request, RequestStatus
 from replica.request_queue import FCFSQueue, PriorityQueue
 
@@ -50,6 +57,8 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Adapters that took a slot this step: their weights go there before it runs.
+    lora_loads: list[tuple[int, LoRARequest]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -63,7 +72,9 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         policy: str = "fcfs",
+        max_loras: int = 0,
     ):
+        """max_loras: adapters one step can serve (0: LoRA off)."""
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -74,6 +85,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._batch_open = True  # static policy: whether the current batch still admits
         self.num_preemptions = 0
+        self.lora_slots = LoRASlots(max_loras) if max_loras else None
 
     def add(self, request: Request) -> None:
         self.waiting.add(request)
@@ -112,11 +124,16 @@ class Scheduler:
             return out
         if self.static and not self.running:
             self._batch_open = True
+        passed_over: list[Request] = []  # adapter requests that wait for a slot, in order
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and self._batch_open:
             request = self.waiting.peek()
+            if request.lora is not None and (passed_over or not self.lora_slots.can_take(request.lora)):
+                passed_over.append(self.waiting.pop())
+                continue
             # Prompt logprobs need every prompt token's logits, which cached blocks lack.
             skip_cache = request.needs_prompt_logprobs
-            cached = NO_PREFIX if skip_cache else self.kv.find_cached_prefix(request.token_ids)
+            root = request.block_hash_root
+            cached = NO_PREFIX if skip_cache else self.kv.find_cached_prefix(request.token_ids, root)
             num_computed = len(cached.blocks) * self.kv.block_size
             n = min(request.num_tokens - num_computed, budget)
             if not self.kv.allocate(request.request_id, num_computed + n, cached):
@@ -131,6 +148,10 @@ class Scheduler:
             self._run(request)
             out.scheduled.append(ScheduledRequest(request, n))
             budget -= n
+        for request in reversed(passed_over):  # back in their places, ahead of later arrivals
+            self.waiting.add_preempted(request)
+        if self.lora_slots is not None:
+            out.lora_loads = self.lora_slots.take_loads()
         if self.static and (not self.waiting or len(self.running) >= self.max_num_seqs):
             self._batch_open = False
         return out
@@ -138,7 +159,7 @@ class Scheduler:
     def finish(self, request: Request, reason: FinishReason) -> None:
         """Retire a request (finished or aborted) and free its blocks."""
         if request.status is RequestStatus.RUNNING:
-            self.running.remove(request)
+            self._stop_running(request)
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
@@ -154,6 +175,13 @@ class Scheduler:
             bisect.insort(self.running, request, key=lambda r: r.priority)
         else:
             self.running.append(request)
+        if request.lora is not None:
+            self.lora_slots.acquire(request.lora)
+
+    def _stop_running(self, request: Request) -> None:
+        self.running.remove(request)
+        if request.lora is not None:
+            self.lora_slots.release(request.lora)
 
     def _make_room(self, request: Request, n: int, out: SchedulerOutput) -> bool:
         """Preempt running requests, the last (see _run) first, until `request` can hold
@@ -174,11 +202,11 @@ class Scheduler:
             request.num_computed_tokens += item.num_new_tokens
             # A block ending in a token still in flight is published once that token is known.
             known = min(request.num_computed_tokens, request.num_tokens - request.num_pending)
-            self.kv.cache_full_blocks(request.request_id, request.token_ids, known)
+            self.kv.cache_full_blocks(request.request_id, request.token_ids, known, request.block_hash_root)
 
     def preempt(self, request: Request) -> None:
         """Drop a running request's KV; it will be recomputed when readmitted."""
-        self.running.remove(request)
+        self._stop_running(request)
         self.kv.free(request.request_id)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0

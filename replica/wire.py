@@ -9,6 +9,7 @@ torch or the engine.
 
 from dataclasses import dataclass, field
 
+from replica.lora.request import LoRARequest
 from replica.sampling_params import SamplingParams
 
 
@@ -32,6 +33,7 @@ class GenerateRequest:
     request_id: str | None = None
     # The output another replica already streamed, after which this one goes on (migration).
     resume_token_ids: list[int] | None = None
+    lora: LoRARequest | None = None  # the adapter it runs with; None: the base model
 
 
 @dataclass
@@ -98,6 +100,12 @@ class ReplicaReport:
     num_preemptions: int
     cpu_affinity: list[int]  # the engine thread's cores
     torch_threads: int
+    # LoRA: the adapters loaded here (least recently used first), those of running and of
+    # waiting requests, and how many one step can serve (0: enable_lora is off).
+    loras: list[str] = field(default_factory=list)
+    running_loras: list[str] = field(default_factory=list)
+    waiting_loras: list[str] = field(default_factory=list)
+    max_loras: int = 0
     # The newest cached block hashes, bounded; hashes are chained, so one stands for its prefix.
     cached_block_hashes: list[bytes] = field(default_factory=list)
     # How old the report was when last passed on: an age, not a time of day, so that

@@ -10,9 +10,9 @@
 #   1. install .whl/ into a temporary directory put on PYTHONPATH (the image has no registry);
 #   2. print the versions, nvidia-smi and the device;
 #   3. check that the engine, the offline API and bench/gpu.py import without Ray;
-#   4. the GPU tests (tests/test_gpu_path.py, tests/test_triton_attention.py): past their
-#      budget the rest are skipped, not started (tests/conftest.py), so the log and the
-#      JUnit XML name what ran;
+#   4. the GPU tests (tests/test_gpu_path.py, tests/test_triton_attention.py,
+#      tests/test_lora_kernels.py): past their budget the rest are skipped, not started
+#      (tests/conftest.py), so the log and the JUnit XML name what ran;
 #   5. bench/gpu.py, which keeps its own budget and writes its JSON after every part.
 # On an H100 the whole stays under 8 minutes, so a second run fits the lease's 15.
 #
@@ -177,7 +177,7 @@ gpu_tests() {
   fi
   "$PYTHON" -m pytest -p no:cacheprovider -q -rs --junitxml="$OUT/pytest_gpu_path.xml" tests/test_gpu_path.py || rc=$?
   "$PYTHON" -m pytest -p no:cacheprovider -q -rs --junitxml="$OUT/pytest_triton.xml" "${parallel[@]}" \
-    tests/test_triton_attention.py || rc=$?
+    tests/test_triton_attention.py tests/test_lora_kernels.py || rc=$?
   return "$rc"
 }
 export OUT KVSERVE_TESTS_DEADLINE=$(($(date +%s) + TESTS_BUDGET_S))

@@ -27,6 +27,7 @@ from replica.attention import ForwardContext, build_metadata, forward_context  #
 from replica.attention import flash_attn_backend as fa  # noqa: E402
 from replica.attention.torch_backend import kv_cache_shape, torch_paged_attention  # noqa: E402
 from replica.config import EngineConfig  # noqa: E402
+from replica.lora.request import LoRARequest  # noqa: E402
 from replica.model_runner import ModelRunner  # noqa: E402
 from replica.sampling_params import StructuredOutputs  # noqa: E402
 
@@ -323,3 +324,54 @@ def test_async_scheduling_matches_sync_with_sampling_penalties_and_a_grammar(tin
     assert outputs[1] == outputs[0]
     assert [len(tokens) for tokens, _, _ in outputs[0][:3]] == [12, 12, 12]
     assert outputs[0][4][1] in ("yes", "no") and outputs[0][4][2] == "stop"
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+def test_lora_batch_matches_peft(tiny_model, tmp_path, tokenizer, device):
+    """LoRA on the device's path (on CUDA: the Triton BGMV kernels, async scheduling,
+    base-only decode steps as CUDA graphs, adapter steps eagerly): one batch mixing two
+    adapters and the base model gives HF + PEFT's greedy tokens (fp32, PEFT on CPU)."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    path, _ = tiny_model
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    loras = []
+    for i, rank in enumerate((8, 4)):
+        torch.manual_seed(i)
+        base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False)
+        get_peft_model(base, config).save_pretrained(tmp_path / str(i))
+        loras.append(LoRARequest(f"adapter-{i}", i + 1, str(tmp_path / str(i))))
+    prompts = [tokenizer(p).input_ids for p in ["Hi", "The sky is", "One two three four five", "x", "ab"]]
+    row_loras = [loras[0], loras[1], None, loras[1], None]
+
+    model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), loras[0].lora_path, adapter_name="0"
+    )
+    model.load_adapter(loras[1].lora_path, adapter_name="1")
+    expected = []
+    for prompt, lora in zip(prompts, row_loras, strict=True):
+        if lora is None:
+            with model.disable_adapter():
+                expected.append(hf_greedy(model, prompt, 12, set()))
+        else:
+            model.set_adapter(str(lora.lora_int_id - 1))
+            expected.append(hf_greedy(model, prompt, 12, set()))
+    assert expected[1] != hf_greedy(
+        AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), prompts[1], 12, set()
+    )
+
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        device=device,
+        num_kv_blocks=64,
+        max_model_len=256,
+        enable_lora=True,
+        max_loras=2,
+    )
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=row_loras)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    stats = llm.engine.stats()
+    assert stats.kv.num_free_blocks == stats.kv.num_total_blocks

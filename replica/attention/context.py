@@ -11,12 +11,14 @@ from dataclasses import dataclass
 import torch
 
 from replica.attention.metadata import AttentionMetadata
+from replica.lora.batch import LoRABatch
 
 
 @dataclass
 class ForwardContext:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), layout set by the backend
     metadata: AttentionMetadata
+    lora: LoRABatch | None = None  # which adapter each packed token uses (replica/lora/)
 
 
 _current: ForwardContext | None = None

@@ -15,6 +15,7 @@ fewer shortcuts.
 import torch
 from torch import nn
 
+from replica.attention.context import get_forward_context
 from replica.cpu.kernel_choice import KernelChooser
 from replica.cpu.layers import PackedLinear, RMSNorm, RotaryPagedAttention, SiluMLP
 from replica.cpu.native_decoder import NativeDecoder
@@ -30,7 +31,9 @@ PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class FusedDecoder(nn.Module):
-    def __init__(self, decoder: nn.Module, chooser: KernelChooser):
+    def __init__(self, decoder: nn.Module, chooser: KernelChooser, lora: bool = False):
+        """lora: adapters will wrap the projections (replica/lora/layers.py), so the MLP
+        activation stays out of its GEMM and decoder.c, which would skip them, is off."""
         super().__init__()
         self.embed_tokens = decoder.embed_tokens
         self.rotary_emb = decoder.rotary_emb
@@ -39,12 +42,14 @@ class FusedDecoder(nn.Module):
             RotaryPagedAttention(layer.self_attn, chooser) for layer in decoder.layers
         )
         self.post_norms = nn.ModuleList(RMSNorm(layer.post_attention_layernorm) for layer in decoder.layers)
-        self.mlps = nn.ModuleList(SiluMLP(layer.mlp, chooser) for layer in decoder.layers)
+        self.mlps = nn.ModuleList(
+            SiluMLP(layer.mlp, chooser, fuse_activation=not lora) for layer in decoder.layers
+        )
         self.norm = RMSNorm(decoder.norm)
         # decoder.c's loop over the same kernels, where it covers this model (bf16, with
         # gemm.c's kernel chosen for some row counts): the same result without Python
         # between the kernels, in the steps whose every linear runs gemm.c.
-        self.native = NativeDecoder(self) if NativeDecoder.supports(self) else None
+        self.native = NativeDecoder(self) if not lora and NativeDecoder.supports(self) else None
 
     @staticmethod
     def supports(decoder: nn.Module) -> bool:
@@ -83,23 +88,29 @@ class FusedDecoder(nn.Module):
             out = attention.attend(hidden, cos, sin)
             if i == last and rows is not None:
                 out, residual = out[rows], residual[rows]
+                ctx = get_forward_context()
+                if ctx.lora is not None:  # the MLP's adapter rows are the kept rows
+                    ctx.lora = ctx.lora.select(rows)
             out = mlp.forward(post_norm.forward(out, residual))
         final = self.norm.forward(residual) if out is None else self.norm.forward(out, residual)
         return final[None]
 
 
-def optimize_for_cpu(model: nn.Module, chooser: KernelChooser, max_logit_rows: int) -> FusedDecoder | None:
+def optimize_for_cpu(
+    model: nn.Module, chooser: KernelChooser, max_logit_rows: int, lora: bool = False
+) -> FusedDecoder | None:
     """Swap the stand-ins into `model` in place, each linear with the kernels `chooser`
     picks. Returns the FusedDecoder that replaced
     its decoder, or None where transformers' decoder stays (with stand-ins inside).
     Packing needs fp32 or bf16 weights; other dtypes keep transformers' modules.
-    max_logit_rows: the most rows the output projection sees in a step."""
+    max_logit_rows: the most rows the output projection sees in a step. lora: as in
+    FusedDecoder."""
     if model.dtype not in PACKABLE_DTYPES:
         return None
     decoder, prefix = model.get_decoder(), model.base_model_prefix
     fused = None
     if FusedDecoder.supports(decoder) and getattr(model, prefix, None) is decoder:
-        fused = FusedDecoder(decoder, chooser)
+        fused = FusedDecoder(decoder, chooser, lora)
         setattr(model, prefix, fused)  # drops transformers' layers and their unpacked weights
     output = model.get_output_embeddings()
     if isinstance(output, nn.Linear):

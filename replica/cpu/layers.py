@@ -93,13 +93,22 @@ class RMSNorm(nn.Module):
 
 
 class SiluMLP(nn.Module):
-    def __init__(self, mlp: nn.Module, chooser: KernelChooser):
+    def __init__(self, mlp: nn.Module, chooser: KernelChooser, fuse_activation: bool = True):
+        """fuse_activation=False: gate_up returns gate and up side by side, and the
+        activation follows it; LoRA adapters add to them before it (replica/lora/)."""
         super().__init__()
-        self.gate_up = PackedLinear.gated(mlp.gate_proj, mlp.up_proj, chooser)
+        self.fused = fuse_activation
+        linears = [mlp.gate_proj, mlp.up_proj]
+        self.gate_up = (
+            PackedLinear.gated(*linears, chooser)
+            if fuse_activation
+            else PackedLinear.concat(linears, chooser)
+        )
         self.down = PackedLinear.of(mlp.down_proj, chooser)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.gate_up(x))
+        gate_up = self.gate_up(x)
+        return self.down(gate_up if self.fused else ops.silu_mul(gate_up))
 
 
 class RotaryPagedAttention(nn.Module):

@@ -58,9 +58,12 @@ class TensorParallelRunner:
         sample_rows: list[int],
         fill: Fill | None = None,
         prompt_rows: list[int] | None = None,
+        lora_slots: list[int] | None = None,
     ) -> torch.Tensor:
         """ModelRunner.execute on every rank. The workers get the rows of `fill` only:
-        its tokens stay on rank 0's device, which broadcasts them in the forward."""
+        its tokens stay on rank 0's device, which broadcasts them in the forward. No
+        lora_slots: EngineConfig refuses LoRA with tensor parallelism."""
+        assert lora_slots is None, "LoRA adapters do not run with tensor parallelism"
         fill_rows = fill[0] if fill is not None else None
         self.workers.execute(token_ids, context_lens, block_tables, sample_rows, fill_rows, prompt_rows)
         return self.rank0.execute(
