@@ -1,8 +1,10 @@
 """Serve application builder: one pydantic config in, one Serve application out."""
 
+import json
+import os
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from ray.serve import Application
 from ray.serve.config import (
     AutoscalingConfig,
@@ -13,8 +15,10 @@ from ray.serve.config import (
 
 from deployments.autoscaling import KVPressurePolicy
 from replica.chat_template import default_chat_template, load_chat_template
+from replica.config import EngineConfig
 from replica.deployment import LLMServer
-from replica.model_loader import BUNDLED_NAME, is_hub_id
+from replica.lora.adapter_files import LoRAAdapterError, read_adapter
+from replica.model_loader import BUNDLED_NAME, is_hub_id, resolve_model
 from replica.parallel.workers import replica_bundles
 from replica.versions import running_versions
 from router.body_limit import DEFAULT_MAX_REQUEST_BYTES
@@ -22,6 +26,7 @@ from router.coordinator import coordinator_address
 from router.generation import DEFAULT_MAX_MIGRATIONS
 from router.http import OpenAIIngress
 from router.kv_router import KVAwareRouter
+from router.lora_adapters import LoRASettings
 
 # For Serve's gRPC proxy (`grpc_options.grpc_servicer_functions`).
 GRPC_SERVICER = "router.protos.kvserve_pb2_grpc.add_LLMServicer_to_server"
@@ -56,6 +61,21 @@ class ReplicaGroup(BaseModel):
     engine_args: dict = Field(default_factory=dict)  # over the app's engine_args
     num_cpus_per_replica: float | None = Field(default=None, ge=0)  # default: the app's
     num_gpus_per_replica: float | None = Field(default=None, ge=0)
+
+
+def check_lora_modules(
+    modules: dict[str, str], model: str | None, revision: str | None, max_lora_rank: int
+) -> None:
+    """Start-up adapters, each checked against the model's config (files, not weights):
+    a bad one stops the start-up with a ValueError that names it."""
+    if not modules:
+        return
+    base_config = json.loads((resolve_model(model, revision, weights=False) / "config.json").read_text())
+    for name, path in modules.items():
+        try:
+            read_adapter(path, base_config, max_lora_rank)
+        except LoRAAdapterError as e:
+            raise ValueError(f"lora_modules: adapter {name!r}: {e}") from None
 
 
 class AppConfig(BaseModel):
@@ -99,6 +119,37 @@ class AppConfig(BaseModel):
     chat_template: str | None = None
     # Replicas of other shapes beside these, behind the same ingress and coordinator.
     replica_groups: list[ReplicaGroup] = Field(default_factory=list)
+    # LoRA adapters served from the start (`--lora-modules`): name -> local PEFT folder, or
+    # a list of "name=path". Any implies engine_args["enable_lora"]; each is checked
+    # against the model here, so a bad one stops the start-up with its name.
+    lora_modules: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _name_equals_path(cls, modules):
+        if not isinstance(modules, list | tuple):
+            return modules
+        pairs = {}
+        for module in modules:
+            name, equals, path = str(module).partition("=")
+            if not (equals and name.strip() and path.strip()):
+                raise ValueError(f"lora_modules takes name=path, got {module!r}")
+            pairs[name.strip()] = path.strip()
+        return pairs
+
+    @model_validator(mode="after")
+    def _lora(self) -> "AppConfig":
+        """Start-up adapters turn LoRA on, and must fit the model and max_lora_rank."""
+        if not self.lora_modules:
+            return self
+        self.engine_args = {**self.engine_args, "enable_lora": True}
+        self.lora_modules = {
+            name: os.path.abspath(os.path.expanduser(path)) for name, path in self.lora_modules.items()
+        }
+        if self.model_name in self.lora_modules:
+            raise ValueError(f"lora_modules: {self.model_name!r} is the base model's name")
+        check_lora_modules(self.lora_modules, self.model, self.revision, self.max_lora_rank)
+        return self
 
     @model_validator(mode="after")
     def _one_gpu_per_rank(self) -> "AppConfig":
@@ -111,6 +162,10 @@ class AppConfig(BaseModel):
                 )
         if len({g.name for g in self.replica_groups}) < len(self.replica_groups):
             raise ValueError("replica_groups need distinct names")
+        for group in self.replica_groups:
+            own = group.engine_args.get("enable_lora")
+            if own is not None and bool(own) != self.enable_lora:
+                raise ValueError(f"replica group {group.name!r}: enable_lora must be the application's")
         return self
 
     def shape(self, group: ReplicaGroup | None = None) -> tuple[dict, float, float]:
@@ -127,6 +182,22 @@ class AppConfig(BaseModel):
     @property
     def tensor_parallel_size(self) -> int:
         return _tensor_parallel_size(self.engine_args)
+
+    @property
+    def enable_lora(self) -> bool:
+        return bool(self.engine_args.get("enable_lora"))
+
+    @property
+    def max_lora_rank(self) -> int:
+        """The lowest of the replica groups': an adapter must fit wherever it may land."""
+        shapes = [self.shape(group)[0] for group in [None, *self.replica_groups]]
+        return min(int(args.get("max_lora_rank", EngineConfig.max_lora_rank)) for args in shapes)
+
+    def lora_settings(self) -> LoRASettings | None:
+        """What the ingress needs to check and register adapters; None with LoRA off."""
+        if not self.enable_lora:
+            return None
+        return LoRASettings(self.max_lora_rank, dict(self.lora_modules))
 
     @property
     def model_name(self) -> str:
@@ -170,6 +241,7 @@ def build_app(config: AppConfig | dict) -> Application:
         versions=versions,
         max_migrations=config.max_migrations,
         more_llms=more,
+        lora=config.lora_settings(),
     )
 
 

@@ -3,8 +3,11 @@ pool, rows out.
 
 Input: JSONL (one object per line) or Parquet, each row with `prompt` or `messages`,
 optional sampling fields (`max_tokens`, `temperature`, ... as in SamplingParams) and an
-optional `id` (default: a hash of the row). Output: JSONL, or a directory of Parquet
-parts, with id, text, finish_reason, prompt_tokens, completion_tokens and error.
+optional `id` (default: a hash of the row). With LoRA adapters (`lora_modules`, name ->
+folder), a row's optional `model` picks what runs it: an adapter's name, or the base
+model's name (or none) for the base model; any other name is an error row. Output:
+JSONL, or a directory of Parquet parts, with id, text, finish_reason, prompt_tokens,
+completion_tokens and error.
 
 JSONL is read as text and parsed in the actors, so a malformed line is one error row,
 not a failed read, and a row whose id an earlier row has is an error row too. The
@@ -29,6 +32,8 @@ from tqdm import tqdm
 from replica.chat_template import chat_prompt_ids
 from replica.config import EngineConfig
 from replica.engine import Engine
+from replica.lora.request import LoRARequest
+from replica.model_loader import BUNDLED_NAME, is_hub_id
 from replica.sampling_params import SamplingParams
 
 SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
@@ -75,12 +80,25 @@ def parse_line(line: str) -> tuple[str, dict | None, str | None]:
     return row_id(row, line if row.get("id") is None else None), row, None
 
 
+def base_model_names(model: str | None) -> set[str]:
+    """What a row's `model` may say to run the base model: the engine's `model` argument
+    as given, and the name the Serve app gives it (`kvserve serve` without
+    --served-model-name): the hub id, the directory's name, or the bundled model's name."""
+    if model is None:
+        return {BUNDLED_NAME}
+    return {str(model), model if is_hub_id(model) else str(model).rstrip("/").rsplit("/", 1)[-1]}
+
+
 class Generator:
     """One engine per actor; each call runs a whole batch through it, so the engine
     batches continuously inside the batch."""
 
-    def __init__(self, engine_args: dict):
+    def __init__(self, engine_args: dict, lora_modules: dict[str, str] | None = None):
         self.engine = Engine(EngineConfig.from_kwargs(**engine_args))
+        # Ids by position in lora_modules: every actor gets the same dict, so the same ids.
+        modules = (lora_modules or {}).items()
+        self.loras = {name: LoRARequest(name, i + 1, str(path)) for i, (name, path) in enumerate(modules)}
+        self.base_names = base_model_names(engine_args.get("model"))
 
     def __call__(self, batch: pa.Table) -> dict:
         rows = batch.to_pylist()  # plain Python values, as in the input file
@@ -126,10 +144,23 @@ class Generator:
                 prompt = row["prompt"]
             else:
                 return "a row needs a string `prompt` or a list of `messages`"
-            self.engine.add_request(prompt, params, request_id=rid)
+            lora = self._lora(row.get("model"))
+            self.engine.add_request(prompt, params, request_id=rid, lora_request=lora)
         except Exception as e:  # anything wrong with one row fails that row only
             return f"{type(e).__name__}: {e}"
         return None
+
+    def _lora(self, model: str | None) -> LoRARequest | None:
+        """The adapter a row's `model` names; None for the base model. Without adapters
+        the field is not read, as before they existed."""
+        if not self.loras or model is None or model in self.base_names:
+            return None
+        if model in self.loras:
+            return self.loras[model]
+        raise ValueError(
+            f"unknown model {model!r}: this batch runs {sorted(self.base_names)} "
+            f"and the LoRA adapters {sorted(self.loras)}"
+        )
 
 
 def duplicate_id_error(rid: str) -> str:
@@ -215,8 +246,17 @@ def run_batch(
     resume: bool = False,
     num_cpus_per_replica: float = 1.0,
     num_gpus_per_replica: float = 0.0,
+    lora_modules: dict[str, str] | None = None,
 ) -> BatchSummary:
+    """lora_modules: LoRA adapters by name -> local folder (PEFT files), which rows pick
+    by their `model` field; the engine loads each on first use."""
     source, output = Path(input_path), Path(output_path)
+    engine_args = dict(engine_args or {})
+    if lora_modules:
+        engine_args.setdefault("enable_lora", True)
+        clash = base_model_names(engine_args.get("model")).intersection(lora_modules)
+        if clash:
+            raise ValueError(f"LoRA adapter names {sorted(clash)} are the base model's name")
     if "://" not in input_path and not source.exists():  # URIs (s3://...) go to Ray Data as they are
         raise FileNotFoundError(f"no input at {source}")
     parquet_out = output.suffix == ".parquet" or (output.is_dir() and is_parquet(output))
@@ -232,7 +272,7 @@ def run_batch(
         ds = ds.filter(lambda row: parse_line(row["text"])[0] not in skip) if skip else ds
     ds = ds.map_batches(
         Generator,
-        fn_constructor_kwargs={"engine_args": engine_args or {}},
+        fn_constructor_kwargs={"engine_args": engine_args, "lora_modules": lora_modules},
         batch_size=batch_size,
         batch_format="pyarrow",
         compute=ray.data.ActorPoolStrategy(min_size=min_replicas, max_size=max_replicas),

@@ -38,6 +38,30 @@ def main(argv: list[str] | None = None) -> int:
         help="devices (GPUs, or CPU processes) each replica's model is split over",
     )
 
+    # LoRA adapters (vLLM's flags), for `serve` and `batch`.
+    lora_args = argparse.ArgumentParser(add_help=False)
+    lora_args.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters beside the model (implied by --lora-modules)",
+    )
+    lora_args.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="adapters to serve from the start: name=path of a local PEFT folder, "
+        'or JSON {"name": ..., "path": ...}',
+    )
+    lora_args.add_argument("--max-loras", type=int, default=1, help="most adapters in one engine step")
+    lora_args.add_argument("--max-lora-rank", type=int, default=16, help="highest adapter rank accepted")
+    lora_args.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        default=None,
+        help="adapters a replica keeps loaded, least recently used dropped past it (default: --max-loras)",
+    )
+
     gen = commands.add_parser(
         "generate", parents=[model_args], help="generate text offline and stream it to the terminal"
     )
@@ -53,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     srv = commands.add_parser(
-        "serve", parents=[model_args], help="serve the OpenAI-compatible HTTP API on a local Ray"
+        "serve", parents=[model_args, lora_args], help="serve the OpenAI-compatible HTTP API on a local Ray"
     )
     srv.add_argument("--served-model-name", default=None, help="the model name clients send")
     srv.add_argument("--replicas", type=int, default=1)
@@ -99,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     bat = commands.add_parser(
-        "batch", parents=[model_args], help="run a JSONL/Parquet file of prompts through Ray Data"
+        "batch", parents=[model_args, lora_args], help="run a JSONL/Parquet file of prompts through Ray Data"
     )
     bat.add_argument("input", help="JSONL or Parquet rows with `prompt` or `messages`")
     bat.add_argument("output", help="JSONL file, or a .parquet directory")
@@ -129,13 +153,59 @@ def _check_model(args: argparse.Namespace) -> bool:
     return True
 
 
+def _lora_modules(values: list[str]) -> dict[str, str]:
+    """`--lora-modules` as vLLM takes it: name=path, or JSON {"name": ..., "path": ...}.
+    Paths become absolute here, where they were typed: Ray's workers run elsewhere."""
+    modules = {}
+    for value in values:
+        if value.lstrip().startswith("{"):
+            try:
+                entry = json.loads(value)
+                name, path = entry["name"], entry["path"]
+            except (ValueError, KeyError, TypeError):
+                expected = '{"name": ..., "path": ...}'
+                raise ValueError(f"--lora-modules: expected {expected}, got {value!r}") from None
+        else:
+            name, equals, path = value.partition("=")
+            if not (equals and name and path):
+                raise ValueError(f"--lora-modules takes name=path, got {value!r}")
+        modules[str(name)] = os.path.abspath(os.path.expanduser(str(path)))
+    return modules
+
+
+def _lora(args: argparse.Namespace) -> tuple[dict[str, str], dict]:
+    """The start-up adapters, checked against the model before Ray starts (a bad one is
+    a ValueError naming it), and the LoRA engine arguments, only where LoRA is on
+    (adapters imply it)."""
+    modules = _lora_modules(args.lora_modules)
+    if not (args.enable_lora or modules):
+        return modules, {}
+    from deployments.app import check_lora_modules
+
+    check_lora_modules(modules, args.model, args.revision, args.max_lora_rank)
+    engine_args = {
+        "enable_lora": True,
+        "max_loras": args.max_loras,
+        "max_lora_rank": args.max_lora_rank,
+        "max_cpu_loras": args.max_cpu_loras,
+    }
+    return modules, engine_args
+
+
 def _batch(args: argparse.Namespace) -> int:
     if not _check_model(args):
+        return 2
+    try:
+        modules, lora_args = _lora(args)
+    except ValueError as e:
+        print(f"kvserve: error: {e}", file=sys.stderr)
         return 2
     import ray
 
     from deployments.batch import run_batch
 
+    # Passed only when given: a run without adapters needs nothing of run_batch's LoRA side.
+    lora = {"lora_modules": modules} if modules else {}
     ray.init(include_dashboard=False)  # joins a running cluster, else starts a local Ray
     try:
         summary = run_batch(
@@ -148,6 +218,7 @@ def _batch(args: argparse.Namespace) -> int:
                 "cpu_kernels": args.cpu_kernels,
                 "kv_cache_memory_gb": args.kv_cache_memory_gb,
                 "tensor_parallel_size": args.tensor_parallel_size,
+                **lora_args,
             },
             min_replicas=args.min_replicas,
             max_replicas=args.max_replicas,
@@ -155,6 +226,7 @@ def _batch(args: argparse.Namespace) -> int:
             resume=args.resume,
             num_cpus_per_replica=args.num_cpus_per_replica,
             num_gpus_per_replica=args.num_gpus_per_replica,
+            **lora,
         )
     except (FileNotFoundError, FileExistsError) as e:
         print(f"kvserve: error: {e}", file=sys.stderr)
@@ -369,6 +441,7 @@ class _Server:
 
         args = self.args
         try:
+            modules, lora_args = _lora(args)
             config = AppConfig(
                 model=args.model,
                 revision=args.revision,
@@ -389,7 +462,9 @@ class _Server:
                     "cpu_cores": _cpu_cores(args.cpu_cores, args.replicas),
                     "tensor_parallel_size": args.tensor_parallel_size,
                     "scheduling_policy": args.scheduling_policy,
+                    **lora_args,
                 },
+                lora_modules=modules,
             )
         except ValueError as e:
             print(f"kvserve: error: {e}", file=sys.stderr)

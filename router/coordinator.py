@@ -1,7 +1,12 @@
 """The coordinator: one named Ray actor per application that holds every replica's
 latest report (replica/wire.py's ReplicaReport). Replicas push about every 100 ms;
 routers and the metrics endpoint read snapshots. A replica that stops reporting is
-forgotten."""
+forgotten.
+
+It also holds the application's LoRA adapters (name -> LoRARequest): every ingress
+replica registers and resolves adapters here, so that one loaded through any of them
+is served by all, and each report's answer tells the replica which adapters are still
+registered."""
 
 import asyncio
 import logging
@@ -11,6 +16,7 @@ from dataclasses import replace
 
 import ray
 
+from replica.lora.request import LoRARequest
 from replica.wire import ReplicaReport
 
 logger = logging.getLogger("ray.serve")
@@ -20,15 +26,81 @@ DEFAULT_STALE_AFTER_S = 2.0
 HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray gives it to the head node only
 
 
+class LoRANameTaken(ValueError):
+    """An adapter of that name is registered already (the ingress answers 400)."""
+
+
+class LoRARegistry:
+    """Adapter name -> LoRARequest, under the coordinator's method names (the ingress
+    keeps one of its own where it has no coordinator). Each registration gets an id of
+    its own, so a name unloaded and loaded again (perhaps from other files) is never
+    mistaken on a replica for what it loaded before. Ids start at the time in
+    microseconds: a registry that was recreated (its coordinator died) does not hand
+    out an id still loaded on some replica for another adapter."""
+
+    def __init__(self) -> None:
+        self._adapters: dict[str, LoRARequest] = {}
+        self._next_id = time.time_ns() // 1000
+        self._seeded: set[tuple[str, str]] = set()  # start-up adapters registered once
+
+    def register_lora(self, name: str, path: str, replace_existing: bool = False) -> LoRARequest:
+        """Raises LoRANameTaken when `name` is registered already."""
+        if name in self._adapters and not replace_existing:
+            raise LoRANameTaken(f"the LoRA adapter {name!r} has already been loaded")
+        self._next_id += 1
+        self._adapters[name] = LoRARequest(name, self._next_id, path)
+        return self._adapters[name]
+
+    def unregister_lora(self, name: str) -> bool:
+        """False when no adapter of that name is registered."""
+        return self._adapters.pop(name, None) is not None
+
+    def lora(self, name: str) -> LoRARequest | None:
+        return self._adapters.get(name)
+
+    def loras(self) -> list[LoRARequest]:
+        return list(self._adapters.values())
+
+    def seed_loras(self, modules: dict[str, str]) -> None:
+        """Registers the start-up adapters (`--lora-modules`), each (name, path) once in
+        this registry's life. Every ingress replica seeds at start, and again when it
+        finds its coordinator recreated: a start-up adapter that a client unloaded stays
+        unloaded, and one redeployed from another path replaces the old registration."""
+        for name, path in modules.items():
+            if (name, path) not in self._seeded:
+                self._seeded.add((name, path))
+                self.register_lora(name, path, replace_existing=True)
+
+
 @ray.remote(num_cpus=0)
 class Coordinator:
     def __init__(self, stale_after_s: float = DEFAULT_STALE_AFTER_S):
         self.stale_after_s = stale_after_s
         # replica id -> (when its report arrived, the report)
         self._latest: dict[str, tuple[float, ReplicaReport]] = {}
+        self._loras = LoRARegistry()
 
-    def report(self, replica_id: str, report: ReplicaReport) -> None:
+    def report(self, replica_id: str, report: ReplicaReport) -> list[int]:
+        """The registered adapters' ids: a replica drops loaded adapters not among them."""
         self._latest[replica_id] = (time.monotonic(), report)
+        return [lora.lora_int_id for lora in self._loras.loras()]
+
+    def register_lora(self, name: str, path: str) -> LoRARequest:
+        """A new registration, with an id of its own; raises LoRANameTaken when `name`
+        is registered already."""
+        return self._loras.register_lora(name, path)
+
+    def unregister_lora(self, name: str) -> bool:
+        return self._loras.unregister_lora(name)
+
+    def lora(self, name: str) -> LoRARequest | None:
+        return self._loras.lora(name)
+
+    def loras(self) -> list[LoRARequest]:
+        return self._loras.loras()
+
+    def seed_loras(self, modules: dict[str, str]) -> None:
+        self._loras.seed_loras(modules)
 
     def forget(self, replica_id: str) -> None:
         self._latest.pop(replica_id, None)

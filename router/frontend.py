@@ -12,10 +12,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from replica.chat_template import chat_prompt_ids
+from replica.lora.request import LoRARequest
 from replica.sampling_params import SamplingParams
 from replica.wire import GenerateRequest, LogprobEntry, StreamChunk, TopLogprob
 from router import tool_calls
 from router.generation import DEFAULT_MAX_MIGRATIONS, APIError, Generation, start_generation
+from router.lora_adapters import Adapters
 from router.metrics import ServingMetrics
 from router.protocol import ChatCompletionRequest, CompletionRequest, ResponseFormat
 from router.replica_groups import ReplicaGroups
@@ -36,6 +38,11 @@ class EngineInput:
     # a logprob; the prompt's other entries follow, then the generated tokens'.
     echo_first_token: str | None = None
     echo_only: bool = False  # echo with max_tokens 0 (vLLM's): the one token generated is dropped
+
+    @property
+    def lora(self) -> LoRARequest | None:
+        """The adapter the request runs with (the `model` it named); None: the base model."""
+        return self.request.lora
 
 
 @dataclass
@@ -165,8 +172,11 @@ class FrontEnd:
         api_keys: list[str] | None = None,
         chat_template: str | None = None,
         max_migrations: int = DEFAULT_MAX_MIGRATIONS,
+        adapters: Adapters | None = None,
     ):
+        """adapters: the LoRA adapters requests may name as their model; None: none."""
         self.replicas, self.metrics, self.model_name = replicas, metrics, model_name
+        self.adapters = adapters or Adapters(None, model_name, {}, None)
         self.max_migrations = max_migrations
         self.tokenizer, self.vocab_size, self.chat_template = tokenizer, vocab_size, chat_template
         self._api_keys = [key.encode() for key in api_keys or []]
@@ -189,8 +199,17 @@ class FrontEnd:
         if not matched:
             raise APIError(401, "missing or invalid API key", kind="authentication_error")
 
+    async def resolve_model(self, model: str | None) -> LoRARequest | None:
+        """The adapter `model` names, None for the base model; 404 for anything else."""
+        return await self.adapters.resolve(model)
+
+    def response_model(self, engine_input: EngineInput) -> str:
+        """The `model` an answer names: the adapter the request asked for, as in vLLM."""
+        return engine_input.lora.lora_name if engine_input.lora else self.model_name
+
     def check_model(self, model: str | None) -> None:
-        """An absent or empty model (proto3's unset string) means the served one, as in vLLM."""
+        """For the routes that serve the base model only (rerank, score): an absent or
+        empty model (proto3's unset string) means the served one, as in vLLM."""
         if model and model != self.model_name:
             raise APIError(
                 404,
@@ -217,7 +236,7 @@ class FrontEnd:
 
     async def completion_input(self, body: CompletionRequest) -> EngineInput:
         """Token ids, not text, go to the replicas: the KV router hashes them into blocks."""
-        self.check_model(body.model)
+        lora = await self.resolve_model(body.model)
         if isinstance(body.prompt, str):
             prompt = (await self.in_tokenizer_thread(self.tokenizer, body.prompt)).input_ids
         else:
@@ -243,12 +262,13 @@ class FrontEnd:
             structured,
             echo,
             prompt_logprobs=prompt_logprobs,
+            lora=lora,
         )
         engine_input.echo_first_token, engine_input.echo_only = echo_first_token, echo_only
         return engine_input
 
     async def chat_input(self, body: ChatCompletionRequest) -> EngineInput:
-        self.check_model(body.model)
+        lora = await self.resolve_model(body.model)
         tools = [t.function.model_dump(exclude_none=True) for t in body.tools or ()]
         choice = body.tool_choice
         if choice == "none" or not tools:
@@ -275,6 +295,7 @@ class FrontEnd:
             structured,
             tools=bool(tools),
             prompt_logprobs=body.prompt_logprobs,
+            lora=lora,
         )
 
     def _engine_input(
@@ -287,6 +308,7 @@ class FrontEnd:
         echo: str | None = None,
         tools: bool = False,
         prompt_logprobs: int | None = None,
+        lora: LoRARequest | None = None,
     ) -> EngineInput:
         fields = body.sampling_fields()
         choices = fields.get("n", 1)
@@ -308,7 +330,8 @@ class FrontEnd:
         except (TypeError, ValueError) as e:
             raise APIError(400, str(e)) from None
         # As in vLLM, priority is a request's, not a sampling parameter.
-        request = GenerateRequest(prompt, sampling=params, priority=getattr(body, "priority", None) or 0)
+        priority = getattr(body, "priority", None) or 0
+        request = GenerateRequest(prompt, sampling=params, priority=priority, lora=lora)
         wanted = getattr(body, "prompt_logprobs", None) is not None
         return EngineInput(request, choices, logprobs_wanted, echo, tools, wanted)
 

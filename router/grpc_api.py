@@ -133,9 +133,11 @@ class GrpcAPI:
     calls these methods by RPC name."""
 
     async def ListModels(self, request: pb.ListModelsRequest, grpc_context: RayServegRPCContext):
+        """The base model, then its LoRA adapters, which requests name as their model."""
         if not self._grpc_authorized(grpc_context):
             return pb.ListModelsResponse()
-        return pb.ListModelsResponse(models=[pb.Model(id=self.frontend.model_name, owned_by="kvserve")])
+        names = [self.frontend.model_name] + [lora.lora_name for lora in await self.frontend.adapters.all()]
+        return pb.ListModelsResponse(models=[pb.Model(id=name, owned_by="kvserve") for name in names])
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext):
         return await self._unary(request, grpc_context, chat=False)
@@ -167,7 +169,7 @@ class GrpcAPI:
         first = result[0]
         return pb.GenerateResponse(
             id=generation.first.request_id,
-            model=self.frontend.model_name,
+            model=self.frontend.response_model(choices.input),
             text=first.text,
             token_ids=first.token_ids,
             finish_reason=first.finish_reason,
@@ -188,11 +190,12 @@ class GrpcAPI:
             raise StreamError(grpc_context.details())
         generation, choices = started
         unfinished = len(choices.samples)
+        model = self.frontend.response_model(choices.input)
         try:
             async for chunk in generation.chunks():
                 delta = choices.add(chunk)
                 unfinished -= chunk.finished
-                response = self._delta_response(generation.first.request_id, delta)
+                response = self._delta_response(generation.first.request_id, model, delta)
                 if not unfinished:
                     response.usage.CopyFrom(pb.Usage(**choices.usage()))
                 yield response
@@ -231,10 +234,10 @@ class GrpcAPI:
             return False
         return True
 
-    def _delta_response(self, request_id: str, delta: ChoiceDelta) -> pb.GenerateResponse:
+    def _delta_response(self, request_id: str, model: str, delta: ChoiceDelta) -> pb.GenerateResponse:
         return pb.GenerateResponse(
             id=request_id,
-            model=self.frontend.model_name,
+            model=model,
             text=delta.text,
             token_ids=delta.token_ids,
             finish_reason=delta.finish_reason or "",

@@ -3,11 +3,12 @@ stream the replica's deltas back as JSON or server-sent events. The same deploym
 serves the gRPC API (router/grpc_api.py): Serve's gRPC proxy calls its methods."""
 
 import asyncio
+import json
 import logging
 import uuid
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -23,6 +24,7 @@ from router.frontend import Choices, EngineInput, FrontEnd
 from router.generation import DEFAULT_MAX_MIGRATIONS, APIError, Generation
 from router.grpc_api import GrpcAPI
 from router.http_app import ERROR_400, ERROR_401, ERROR_404, GENERATION_RESPONSES, app
+from router.lora_adapters import Adapters, LoRASettings
 from router.metrics import ServingMetrics
 from router.model_files import load_tokenizer, model_limits
 from router.openai_format import CompletionFormatter, completion_events
@@ -31,7 +33,9 @@ from router.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     ErrorResponse,
+    LoadLoRAAdapterRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 from router.replica_groups import ReplicaGroups
 from router.rerank import RelevanceScorer, RerankRequest, ScoreRequest, rerank_response, score_response
@@ -39,6 +43,7 @@ from router.response_store import ResponseStore
 
 logger = logging.getLogger("ray.serve")
 REPLICA_HEADER = "x-kvserve-replica"
+ERROR_404_ADAPTER = {"model": ErrorResponse, "description": "no such adapter"}
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)
@@ -58,6 +63,7 @@ class OpenAIIngress(GrpcAPI):
         versions: dict[str, str] | None = None,
         max_migrations: int = DEFAULT_MAX_MIGRATIONS,
         more_llms: list[DeploymentHandle] | None = None,
+        lora: LoRASettings | None = None,
     ):
         """api_keys: when given, /v1/* and every gRPC call need one of them. warm_up: send
         one tiny request through the whole path at start-up (off where the replicas may
@@ -65,7 +71,8 @@ class OpenAIIngress(GrpcAPI):
         instead of the model's (say, one that renders tools). versions: kvserve's and
         Ray's where the application was built, which this process must run too.
         max_migrations: how often a stream may move on when its replica dies. more_llms:
-        deployments of replicas of other shapes (router/replica_groups.py)."""
+        deployments of replicas of other shapes (router/replica_groups.py). lora: the
+        engine's LoRA arguments and start-up adapters, None where enable_lora is off."""
         check_versions(versions, "ingress")
         app.state.max_request_bytes = max_request_bytes
         self.llms = [llm, *(more_llms or [])]
@@ -78,6 +85,10 @@ class OpenAIIngress(GrpcAPI):
         limits = model_limits(path)
         self.config_max_len = limits.max_position_embeddings
         self.metrics = ServingMetrics(model_name)
+        # Adapters are checked against the base model's shapes before any replica sees one.
+        base_config = json.loads((path / "config.json").read_text()) if lora else {}
+        adapters = Adapters(lora, model_name, base_config, coordinator)
+        await adapters.start()
         self.frontend = FrontEnd(
             ReplicaGroups(self.llms, coordinator),
             self.metrics,
@@ -87,6 +98,7 @@ class OpenAIIngress(GrpcAPI):
             api_keys,
             chat_template,
             max_migrations,
+            adapters,
         )
         self._warm_up = asyncio.get_running_loop().create_task(self._send_warm_up()) if warm_up else None
         self.response_store = ResponseStore()  # /v1/responses' store: this replica's, in memory
@@ -121,30 +133,56 @@ class OpenAIIngress(GrpcAPI):
 
     @app.get("/v1/models", responses={401: ERROR_401})
     async def models(self, request: Request) -> dict:
+        """The base model, then each LoRA adapter, whose parent is the base model (vLLM's cards)."""
         self.frontend.check_auth(request.headers.get("authorization"))
-        card = {
+        max_model_len = await self._max_model_len()
+        base = {
             "id": self.model_name,
             "object": "model",
             "created": 0,
             "owned_by": "kvserve",
             "root": self.model_root,
             "parent": None,
-            "max_model_len": await self._max_model_len(),
+            "max_model_len": max_model_len,
         }
-        return {"object": "list", "data": [card]}
+        adapters = [
+            {**base, "id": lora.lora_name, "root": lora.lora_path, "parent": self.model_name}
+            for lora in await self.frontend.adapters.all()
+        ]
+        return {"object": "list", "data": [base, *adapters]}
+
+    @app.post("/v1/load_lora_adapter", responses={400: ERROR_400, 401: ERROR_401})
+    async def load_lora_adapter(self, body: LoadLoRAAdapterRequest, request: Request) -> PlainTextResponse:
+        """vLLM's: checks the adapter's files against the base model (a bad adapter is a
+        400 and never reaches a replica) and registers it; each replica loads it when a
+        request for it first arrives there. The answer is vLLM's plain text."""
+        self.frontend.check_auth(request.headers.get("authorization"))
+        await self.frontend.adapters.load(body.lora_name, body.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post(
+        "/v1/unload_lora_adapter",
+        responses={400: ERROR_400, 401: ERROR_401, 404: ERROR_404_ADAPTER},
+    )
+    async def unload_lora_adapter(self, body: UnloadLoRAAdapterRequest, request: Request):
+        """vLLM's: requests naming the adapter are a 404 from now on; the replicas learn it
+        from the coordinator's answer to their next report, and drop its weights."""
+        self.frontend.check_auth(request.headers.get("authorization"))
+        await self.frontend.adapters.unload(body.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.post("/tokenize", responses={400: ERROR_400, 401: ERROR_401, 404: ERROR_404})
     async def tokenize(self, body: TokenizeRequest, request: Request) -> dict:
         """vLLM's /tokenize, which load generators call to count prompt tokens."""
         self.frontend.check_auth(request.headers.get("authorization"))
-        self.frontend.check_model(body.model)
+        await self.frontend.resolve_model(body.model)  # an adapter tokenizes as its base model
         tokens = await self.frontend.in_tokenizer_thread(self._tokenize, body)
         return {"count": len(tokens), "max_model_len": await self._max_model_len(), "tokens": tokens}
 
     @app.post("/detokenize", responses={400: ERROR_400, 401: ERROR_401, 404: ERROR_404})
     async def detokenize(self, body: DetokenizeRequest, request: Request) -> dict:
         self.frontend.check_auth(request.headers.get("authorization"))
-        self.frontend.check_model(body.model)
+        await self.frontend.resolve_model(body.model)
         self.frontend.check_token_ids(body.tokens, "tokens")
         return {"prompt": await self.frontend.in_tokenizer_thread(self.tokenizer.decode, body.tokens)}
 
@@ -206,10 +244,8 @@ class OpenAIIngress(GrpcAPI):
         try:
             for engine_input in inputs:
                 generations.append(await self.frontend.start(engine_input))
-            formatters = [
-                CompletionFormatter("", self.model_name, False, Choices(engine_input))
-                for engine_input in inputs
-            ]
+            model = self.frontend.response_model(inputs[0])  # one `model` for the whole batch
+            formatters = [CompletionFormatter("", model, False, Choices(one)) for one in inputs]
 
             async def collect(generation: Generation, formatter: CompletionFormatter) -> dict:
                 async for chunk in generation.chunks():
@@ -238,7 +274,8 @@ class OpenAIIngress(GrpcAPI):
         self.frontend.check_auth(request.headers.get("authorization"), request.headers.get("x-api-key"))
         engine_input = await self.frontend.chat_input(anthropic.chat_request(body))
         generation = await self.frontend.start(engine_input)
-        reply = anthropic.Reply(self.model_name, Choices(engine_input), body.stop_sequences, self._decode)
+        model = self.frontend.response_model(engine_input)
+        reply = anthropic.Reply(model, Choices(engine_input), body.stop_sequences, self._decode)
         headers = {REPLICA_HEADER: generation.first.replica_id}
         if body.stream:
             events = reply.events(generation)
@@ -265,7 +302,8 @@ class OpenAIIngress(GrpcAPI):
     async def _respond(self, body, engine_input: EngineInput, chat: bool):
         generation = await self.frontend.start(engine_input)
         response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        formatter = CompletionFormatter(response_id, self.model_name, chat, Choices(engine_input))
+        model = self.frontend.response_model(engine_input)
+        formatter = CompletionFormatter(response_id, model, chat, Choices(engine_input))
         # Which replica serves the request, for operators and for bench/serving.py's split.
         headers = {REPLICA_HEADER: generation.first.replica_id}
         if body.streaming:
@@ -289,7 +327,8 @@ class OpenAIIngress(GrpcAPI):
         turn = responses.prepare(body, self.response_store)
         engine_input = await self.frontend.chat_input(turn.chat)
         generation = await self.frontend.start(engine_input)
-        builder = responses.ResponseBuilder(turn, self.model_name, Choices(engine_input))
+        model = self.frontend.response_model(engine_input)
+        builder = responses.ResponseBuilder(turn, model, Choices(engine_input))
         headers = {REPLICA_HEADER: generation.first.replica_id}
         if body.stream:
             events = responses.sse(builder, generation, self.response_store)

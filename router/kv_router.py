@@ -15,6 +15,14 @@ For each request it ranks replicas by
    blocks it would have to prefill, which a cached prefix reduces. A shared system
    prompt therefore attracts requests only while the replica holding it is not busier
    by more than the prefill it saves;
+   - a LoRA adapter request also costs ADAPTER_LOAD_TOKENS (in blocks) on a replica
+     whose report does not list its adapter as loaded: loading it there delays the
+     first token about as much as prefilling that many more prompt tokens. So the
+     request goes to a replica holding its adapter while that replica is not busier by
+     more than that, and a hot adapter spreads to other replicas (which then load it)
+     once the ones holding it are that much more loaded. Its prompt is hashed from the
+     adapter's root (LoRARequest.block_hash_root), as the engine caches it, so only
+     KV computed under the same adapter counts as its cached prefix;
 4. among replicas with equal keys, one at random comes first (and the rest next),
    so that the router knows where the request will go (see below).
 
@@ -48,8 +56,9 @@ from dataclasses import dataclass, field
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from kvcache.hashing import hash_full_blocks
+from kvcache.hashing import ROOT_HASH, hash_full_blocks
 from kvcache.kv_manager import cdiv
+from replica.lora.request import LoRARequest
 from replica.wire import GenerateRequest, ReplicaReport
 from router.coordinator import follow_snapshots
 
@@ -61,6 +70,9 @@ ARRIVAL_MARGIN_S = 0.05
 # A ranked request that Serve never routes, or a completed one no later report reaches,
 # stops counting after this long.
 OWED_TTL_S = 5.0
+# What loading a LoRA adapter on a replica that does not hold it costs, in prompt tokens
+# it could have prefilled instead; the placement cost counts it in blocks.
+ADAPTER_LOAD_TOKENS = 256
 
 
 @dataclass
@@ -74,6 +86,7 @@ class ReplicaView:
     cached_hashes: frozenset[bytes]
     reported_at: float  # time.monotonic() on this router, less the report's age
     accepting: bool = True  # False while its waiting queue is at max_waiting
+    loras: frozenset[str] = frozenset()  # names of the adapters it has loaded
 
     @classmethod
     def from_report(cls, report: ReplicaReport, asked_at: float) -> "ReplicaView":
@@ -86,6 +99,7 @@ class ReplicaView:
             cached_hashes=frozenset(report.cached_block_hashes),
             reported_at=asked_at - report.age_s,
             accepting=report.accepting,
+            loras=frozenset(report.loras),
         )
 
     @property
@@ -154,6 +168,7 @@ class RoutedRequest:
     prompt: list[int]
     max_tokens: int | None
     n: int = 1  # samples: each shares the prompt's full blocks, then grows its own
+    lora: LoRARequest | None = None  # the adapter it runs with; None: the base model
     _block_hashes: dict[int, list[bytes]] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -163,13 +178,15 @@ class RoutedRequest:
         prompt = request.prompt
         if not (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
             return None
-        return cls(prompt, request.sampling.max_tokens, request.sampling.n)
+        return cls(prompt, request.sampling.max_tokens, request.sampling.n, request.lora)
 
     def block_hashes(self, block_size: int) -> list[bytes]:
         """The prompt's chained block hashes, computed once per block size however many
-        replicas are compared. Like the engine, the last token is never cacheable."""
+        replicas are compared. Like the engine, the last token is never cacheable, and an
+        adapter's blocks chain from its own root: they never match the base model's."""
         if block_size not in self._block_hashes:
-            self._block_hashes[block_size] = hash_full_blocks(self.prompt[:-1], block_size)
+            root = ROOT_HASH if self.lora is None else self.lora.block_hash_root
+            self._block_hashes[block_size] = hash_full_blocks(self.prompt[:-1], block_size, parent=root)
         return self._block_hashes[block_size]
 
 
@@ -199,18 +216,27 @@ class Placement:
 
     accepting: bool  # its waiting queue has room
     fits: bool  # its free blocks cover everything the request may take
-    cost_blocks: int  # its load plus the prompt blocks it would prefill
+    cost_blocks: int  # its load, the prompt blocks it would prefill, loading the adapter
 
     @property
     def key(self) -> tuple[bool, bool, int]:
         return (self.accepting, self.fits, -self.cost_blocks)
 
 
+def adapter_load_blocks(request: RoutedRequest, view: ReplicaView) -> int:
+    """What loading the request's adapter there costs, in blocks: nothing for the base
+    model or an adapter the replica holds."""
+    if request.lora is None or request.lora.lora_name in view.loras:
+        return 0
+    return cdiv(ADAPTER_LOAD_TOKENS, view.block_size)
+
+
 def placement(request: RoutedRequest, view: ReplicaView, owed: int) -> Placement:
     """owed: what the replica owes beyond its report (owed_blocks)."""
     net_free, hits = net_free_blocks(request, view, owed)
     prefill = cdiv(len(request.prompt), view.block_size) - hits
-    return Placement(view.accepting, net_free >= 0, view.load_blocks + owed + prefill)
+    cost = view.load_blocks + owed + prefill + adapter_load_blocks(request, view)
+    return Placement(view.accepting, net_free >= 0, cost)
 
 
 def group_ranks(keys: dict[ReplicaID, tuple]) -> list[list[ReplicaID]]:
@@ -222,8 +248,8 @@ def group_ranks(keys: dict[ReplicaID, tuple]) -> list[list[ReplicaID]]:
 
 
 def routed_request(pending_request: PendingRequest | None) -> RoutedRequest | None:
-    """The prompt, max_tokens and n of an `LLMServer.generate(request)` call, if the
-    prompt came as token ids."""
+    """The prompt, max_tokens, n and adapter of an `LLMServer.generate(request)` call,
+    if the prompt came as token ids."""
     if pending_request is None:
         return None
     args, kwargs = pending_request.args, pending_request.kwargs

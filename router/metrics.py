@@ -5,6 +5,10 @@ and KV-cache figures are the sums of the replicas' latest reports to the coordin
 Counters sum the latest count of every replica ever reported, gone ones included, so
 that a replica's death or a scale-down never makes them go down (which Prometheus
 would read as a reset).
+
+With LoRA on, vLLM's `vllm:lora_requests_info` says which adapters the replicas' running
+and waiting requests use, in its labels; its value is when that was last true (seconds
+since the epoch), as vLLM sets it.
 """
 
 import time
@@ -91,9 +95,29 @@ class ServingMetrics:
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric([self.model_name], sum(counts[name] for counts in self._counts.values()))
             yield c
+        lora = [r for r in reports if r.max_loras]
+        if lora:
+            yield lora_requests_info(lora)
 
     def timer(self, samples: int = 1) -> "RequestTimer":
         return RequestTimer(self, samples)
+
+
+def lora_requests_info(reports: list[ReplicaReport]) -> GaugeMetricFamily:
+    """vLLM's gauge over the replicas that serve LoRA: the adapters of their running and
+    of their waiting requests (comma-separated names), and the most adapters one step
+    takes; its value is when the newest of those reports was made."""
+    gauge = GaugeMetricFamily(
+        "vllm:lora_requests_info",
+        "Running stats on lora requests.",
+        labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+    )
+    running = sorted({name for r in reports for name in r.running_loras})
+    waiting = sorted({name for r in reports for name in r.waiting_loras})
+    max_lora = str(max(r.max_loras for r in reports))
+    updated = time.time() - min(r.age_s for r in reports)
+    gauge.add_metric([max_lora, ",".join(waiting), ",".join(running)], updated)
+    return gauge
 
 
 class RequestTimer:

@@ -276,6 +276,23 @@ class DetokenizeRequest(BaseModel):
     tokens: list[TokenId]
 
 
+class LoadLoRAAdapterRequest(BaseModel):
+    """vLLM's /v1/load_lora_adapter: an adapter's PEFT folder, served as `lora_name`."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """vLLM's /v1/unload_lora_adapter (its optional lora_int_id is not needed here)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: str
+
+
 class ErrorDetail(BaseModel):
     message: str
     type: str

@@ -168,3 +168,53 @@ def test_tensor_parallel_engines_in_the_batch_job(ray_cluster, tmp_path, model_p
     want = llm_fp32.generate(prompts, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
     by_id = {r["id"]: r for r in read_output(tmp_path / "out.jsonl")}
     assert [by_id[str(i)]["text"] for i in range(6)] == [o.text for o in want]
+
+
+@pytest.fixture(scope="module")
+def lora_adapter(tmp_path_factory, model_path) -> str:
+    """A seeded random LoRA adapter of the bundled model, on every projection, as PEFT
+    saves it: far enough from the base model that greedy text changes."""
+    import peft
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False)
+    path = tmp_path_factory.mktemp("lora-adapter")
+    peft.get_peft_model(model, config).save_pretrained(path)
+    return str(path)
+
+
+def test_rows_pick_the_base_model_or_a_lora_adapter_by_model(ray_cluster, tmp_path, model_path, lora_adapter):
+    """Each prompt runs on the base model (no `model`, or its name) and on the adapter;
+    a row naming a model the batch does not serve is an error row, not a failed job."""
+    prompts = ["Count from 1:", "The capital of France is"]
+    rows = []
+    for i, prompt in enumerate(prompts):
+        for model in (None, model_path.name, "tiny-lora"):
+            rows.append(
+                {"id": f"{i}-{model}", "prompt": prompt, "model": model, "temperature": 0, "max_tokens": 4}
+            )
+    rows.append({"id": "unknown", "prompt": prompts[0], "model": "no-such-model", "max_tokens": 4})
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    summary = run_batch(
+        str(tmp_path / "in.jsonl"),
+        str(tmp_path / "out.jsonl"),
+        engine_args={"model": str(model_path), "dtype": "float32"},
+        max_replicas=1,
+        batch_size=len(rows),
+        num_cpus_per_replica=0.5,
+        lora_modules={"tiny-lora": lora_adapter},
+    )
+    by_id = {r["id"]: r for r in read_output(tmp_path / "out.jsonl")}
+    assert summary.rows == len(rows) and summary.errors == 1
+    assert "unknown model 'no-such-model'" in by_id["unknown"]["error"]
+    assert "tiny-lora" in by_id["unknown"]["error"]
+    for i in range(len(prompts)):
+        base, named, adapted = (by_id[f"{i}-{m}"] for m in (None, model_path.name, "tiny-lora"))
+        assert base["error"] is named["error"] is adapted["error"] is None
+        assert adapted["completion_tokens"] == 4
+        assert named["text"] == base["text"]
+        assert adapted["text"] != base["text"], (i, base["text"], adapted["text"])

@@ -19,9 +19,11 @@ from ray.serve.request_router import PendingRequest
 from deployments.app import build_app
 from kvcache import KVCacheManager, hash_full_blocks
 from replica import SamplingParams
+from replica.lora.request import LoRARequest
 from replica.wire import GenerateRequest, ReplicaReport
 from router.coordinator import coordinator_address, follow_snapshots, get_coordinator
 from router.kv_router import (
+    ADAPTER_LOAD_TOKENS,
     ARRIVAL_MARGIN_S,
     OWED_TTL_S,
     KVAwareRouter,
@@ -37,9 +39,12 @@ from router.kv_router import (
 APP = "router-test"
 MODEL = "SmolLM2-135M-Instruct"
 NUM_BLOCKS, BLOCK = 64, 16
+SQL = LoRARequest("sql", 1, "/adapters/sql")
 
 
-def view(free: int, cached: list[bytes] = (), total: int = 64, accepting: bool = True) -> ReplicaView:
+def view(
+    free: int, cached: list[bytes] = (), total: int = 64, accepting: bool = True, loras: list[str] = ()
+) -> ReplicaView:
     return ReplicaView(
         block_size=16,
         max_model_len=1024,
@@ -48,12 +53,19 @@ def view(free: int, cached: list[bytes] = (), total: int = 64, accepting: bool =
         cached_hashes=frozenset(cached),
         reported_at=time.monotonic(),
         accepting=accepting,
+        loras=frozenset(loras),
     )
 
 
-def keys(prompt: list[int], views: dict[str, ReplicaView], owed: dict[str, int] | None = None) -> dict:
+def keys(
+    prompt: list[int],
+    views: dict[str, ReplicaView],
+    owed: dict[str, int] | None = None,
+    lora: LoRARequest | None = None,
+) -> dict:
     owed = owed or {}
-    return {r: placement(RoutedRequest(prompt, 1), v, owed.get(r, 0)).key for r, v in views.items()}
+    request = RoutedRequest(prompt, 1, lora=lora)
+    return {r: placement(request, v, owed.get(r, 0)).key for r, v in views.items()}
 
 
 def test_net_free_blocks_credits_the_cached_prefix_but_never_the_last_token():
@@ -159,6 +171,52 @@ def test_a_replica_with_a_full_waiting_queue_ranks_last():
     assert ReplicaView.from_report(replace(report, num_waiting=99, max_waiting=None), 0.0).accepting
 
 
+def test_an_adapter_request_goes_to_a_replica_holding_its_adapter_while_loads_are_similar():
+    prompt = list(range(100, 164))
+    k = keys(prompt, {"holder": view(free=40, loras=["sql"]), "other": view(free=40)}, lora=SQL)
+    assert k["holder"] > k["other"]
+    # Loading it elsewhere costs ADAPTER_LOAD_TOKENS (16 blocks): it outweighs less extra load.
+    spare = ADAPTER_LOAD_TOKENS // 16 - 1
+    k = keys(prompt, {"holder": view(free=40, loras=["sql"]), "other": view(free=40 + spare)}, lora=SQL)
+    assert k["holder"] > k["other"]
+
+
+def test_a_hot_adapter_spreads_once_the_replicas_holding_it_are_much_more_loaded():
+    prompt = list(range(100, 164))
+    k = keys(prompt, {"holder": view(free=10, loras=["sql"]), "other": view(free=60)}, lora=SQL)
+    assert k["other"] > k["holder"]
+    # The same holds for load this router has sent there and no report shows yet.
+    k = keys(prompt, {"holder": view(free=60, loras=["sql"]), "other": view(free=60)}, {"holder": 30}, SQL)
+    assert k["other"] > k["holder"]
+
+
+def test_a_base_model_request_ignores_which_adapters_are_loaded():
+    prompt = list(range(100, 164))
+    k = keys(prompt, {"holder": view(free=40, loras=["sql"]), "other": view(free=40)})
+    assert k["holder"] == k["other"]
+    k = keys(prompt, {"holder": view(free=40, loras=["sql"]), "other": view(free=41)})
+    assert k["other"] > k["holder"]
+
+
+def test_an_adapter_request_counts_only_its_adapters_cached_prefix():
+    """The engine chains an adapter's block hashes from its own root: the base model's
+    KV for the same prompt is no prefix hit for it, nor is the adapter's for the base."""
+    prompt = list(range(100, 164))
+    base = hash_full_blocks(prompt[:-1], 16)
+    adapter = hash_full_blocks(prompt[:-1], 16, parent=SQL.block_hash_root)
+    assert set(base).isdisjoint(adapter)
+
+    def hits(lora: LoRARequest | None, cached: list[bytes]) -> int:
+        return net_free_blocks(RoutedRequest(prompt, 1, lora=lora), view(free=40, cached=cached), 0)[1]
+
+    assert hits(SQL, base) == 0
+    assert hits(SQL, adapter) == 3
+    assert hits(None, adapter) == 0
+    assert hits(None, base) == 3
+    other = LoRARequest("sql", 1, "/adapters/sql-v2")  # the same name loaded from other files
+    assert hits(other, adapter) == 0
+
+
 def replica_report(free: int = NUM_BLOCKS, cached: list[bytes] = (), age_s: float = 0.0) -> ReplicaReport:
     """A report with every field the router does not read set to something plausible."""
     return ReplicaReport(
@@ -224,10 +282,12 @@ def router(clock) -> KVAwareRouter:
     loop.close()
 
 
-def pending(request_id: str, max_tokens: int = 8, prompt: list[int] = PROMPT) -> PendingRequest:
+def pending(
+    request_id: str, max_tokens: int = 8, prompt: list[int] = PROMPT, lora: LoRARequest | None = None
+) -> PendingRequest:
     """A call of LLMServer.generate as Serve holds it."""
     metadata = RequestMetadata(request_id=request_id, internal_request_id=request_id)
-    request = GenerateRequest(prompt, SamplingParams(max_tokens=max_tokens))
+    request = GenerateRequest(prompt, SamplingParams(max_tokens=max_tokens), lora=lora)
     return PendingRequest(args=[request], kwargs={}, metadata=metadata)
 
 
@@ -251,6 +311,17 @@ def test_a_request_is_owed_from_its_ranking_by_one_replica_at_a_time(router, clo
         {first.unique_id: replica_report(), other.unique_id: replica_report(free=61)}, clock.now
     )
     assert router._owed_by_replica() == {first.unique_id: 0, other.unique_id: 0}
+
+
+def test_the_router_reads_the_adapter_from_the_request_and_the_loaded_ones_from_reports(router, clock):
+    """Replica a holds the adapter: an adapter request goes there at equal load, and to
+    b once a's report shows it nearly full with requests waiting."""
+    holder = replace(replica_report(), loras=["sql"])
+    router._use_snapshot({"a": holder, "b": replica_report()}, clock.now)
+    assert router.rank([A, B], pending("lora", lora=SQL)) == [[A], [B]]
+    busy = replace(holder, num_free_blocks=20, num_waiting=3, num_pending_blocks=12)
+    router._use_snapshot({"a": busy, "b": replica_report()}, clock.now)
+    assert router.rank([A, B], pending("lora-2", lora=SQL)) == [[B], [A]]
 
 
 def test_a_replica_that_refuses_a_request_still_owes_it_until_it_is_routed(router):
