@@ -6,6 +6,7 @@ adapters in /v1/models and gRPC ListModels, requests that name an adapter as the
 import asyncio
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import anthropic
 import grpc
@@ -318,6 +319,49 @@ def test_runtime_adapter_serves_chat_and_completions_until_unloaded(base_url, cl
     assert load(base_url, "runtime", adapters["runtime"]).status_code == 200
     assert chat(client, "runtime").choices[0].message.content == tuned.choices[0].message.content
     assert unload(base_url, "runtime").status_code == 200
+
+
+def test_load_and_unload_under_load_lose_nothing(base_url, client, adapters):
+    """Adapters loaded and unloaded while requests of the base model and of adapters (the
+    unloaded one's too) run: every request finishes whole, every block comes back, and
+    the replica drops the unloaded adapter once its last request is done."""
+    assert load(base_url, "busy", adapters["runtime"]).status_code == 200
+    llm = serve.get_deployment_handle("LLMServer", app_name=APP)
+    total = llm.stats.remote().result().num_total_blocks
+
+    def complete(model: str):
+        return client.completions.create(
+            model=model,
+            prompt="Count to fifty:",
+            max_tokens=40,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+
+    models = ["busy", "busy", "startup", MODEL]
+    with ThreadPoolExecutor(len(models)) as pool:
+        futures = [pool.submit(complete, model) for model in models]
+        for _ in range(200):  # until they all run
+            if llm.stats.remote().result().num_running == len(models):
+                break
+            time.sleep(0.05)
+        assert unload(base_url, "busy").status_code == 200
+        assert load(base_url, "extra", adapters["runtime"]).status_code == 200
+        results = [future.result(timeout=120) for future in futures]
+    assert [r.choices[0].finish_reason for r in results] == ["length"] * len(models)
+    assert [r.usage.completion_tokens for r in results] == [40] * len(models)
+    assert [r.model for r in results] == models
+
+    stats = None
+    for _ in range(100):
+        stats = llm.stats.remote().result()
+        if stats.num_running == 0 and stats.num_free_blocks == total and "busy" not in stats.loras:
+            break
+        time.sleep(0.1)
+    assert stats.num_running == 0 and stats.num_waiting == 0 and stats.num_free_blocks == total
+    assert "busy" not in stats.loras, "the unloaded adapter is dropped once no request uses it"
+    assert chat(client, "extra").model == "extra"
+    assert unload(base_url, "extra").status_code == 200
 
 
 def logprobs(content) -> list[float]:
