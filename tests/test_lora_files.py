@@ -204,6 +204,25 @@ def test_hand_made_files(tmp_path, adapter):
     assert config["r"] == 4  # what the files above claim
 
 
+@pytest.mark.parametrize(
+    "config_text, weights, match",
+    [
+        ("{", None, "not a PEFT config"),
+        ("{}", None, "not a LoRA config"),
+        ('{"r": 0}', None, "has rank 0"),
+        (None, b"", "not a safetensors file"),
+        (None, b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}", "not a safetensors file"),
+    ],
+)
+def test_malformed_files(tmp_path, adapter, config_text, weights, match):
+    """A broken upload is refused with a message that names it, not a parser's error."""
+    (tmp_path / CONFIG_FILE).write_text(config_text or (adapter / CONFIG_FILE).read_text())
+    (tmp_path / WEIGHTS_FILE).write_bytes(
+        (adapter / WEIGHTS_FILE).read_bytes() if weights is None else weights
+    )
+    _refused(tmp_path, match)
+
+
 # --- AdapterCache ---
 
 ADAPTERS = [LoRARequest(f"adapter-{i}", i + 1, f"/adapters/{i}") for i in range(5)]

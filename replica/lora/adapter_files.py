@@ -66,9 +66,19 @@ def read_adapter(path: str | Path, base_config: dict, max_lora_rank: int) -> Ada
     path = Path(path)
     if not (path / CONFIG_FILE).is_file():
         raise LoRAAdapterError(f"no LoRA adapter at {str(path)!r}: {CONFIG_FILE} not found")
-    config = json.loads((path / CONFIG_FILE).read_text())
-    if (kind := config.get("peft_type", "LORA")) != "LORA":
+    try:
+        config = json.loads((path / CONFIG_FILE).read_text())
+        kind = config.get("peft_type", "LORA")
+    except (ValueError, AttributeError) as e:
+        raise LoRAAdapterError(f"adapter {str(path)!r}: {CONFIG_FILE} is not a PEFT config ({e!r})") from None
+    if kind != "LORA":
         raise LoRAAdapterError(f"adapter {str(path)!r} is a {kind} adapter; only LoRA is supported")
+    try:
+        rank, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
+    except (ValueError, KeyError, TypeError) as e:
+        raise LoRAAdapterError(f"adapter {str(path)!r}: {CONFIG_FILE} is not a LoRA config ({e!r})") from None
+    if rank < 1:
+        raise LoRAAdapterError(f"adapter {str(path)!r} has rank {rank}")
     if config.get("use_dora"):
         raise LoRAAdapterError(f"adapter {str(path)!r} uses DoRA, which kvserve does not serve")
     if config.get("bias", "none") != "none":
@@ -81,12 +91,17 @@ def read_adapter(path: str | Path, base_config: dict, max_lora_rank: int) -> Ada
         )
     if config.get("rank_pattern") or config.get("alpha_pattern"):
         raise LoRAAdapterError(f"adapter {str(path)!r} has per-module ranks or alphas; not supported")
-    rank, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
     if rank > max_lora_rank:
         raise LoRAAdapterError(f"adapter {str(path)!r} has rank {rank}, over max_lora_rank={max_lora_rank}")
     if not (path / WEIGHTS_FILE).is_file():
         raise LoRAAdapterError(f"adapter {str(path)!r} has no {WEIGHTS_FILE} (only safetensors is read)")
-    keys, shapes = _pair_keys(path, safetensors_shapes(path / WEIGHTS_FILE))
+    try:
+        shapes = safetensors_shapes(path / WEIGHTS_FILE)
+    except (ValueError, KeyError, TypeError, struct.error) as e:
+        raise LoRAAdapterError(
+            f"adapter {str(path)!r}: {WEIGHTS_FILE} is not a safetensors file ({e!r})"
+        ) from None
+    keys, shapes = _pair_keys(path, shapes)
     _check_shapes(path, keys, shapes, rank, base_config)
     scaling = alpha / rank**0.5 if config.get("use_rslora") else alpha / rank
     targets = frozenset(name.split(".")[1] for name in keys)
