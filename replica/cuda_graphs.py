@@ -24,11 +24,13 @@ import torch
 
 from replica.attention import AttentionMetadata
 from replica.input_batch import Fill
+from replica.lora.batch import LoRABatch
 
-# Columns of the packed per-row inputs: one host-to-device copy fills all four.
-TOKEN, POSITION, SLOT, CONTEXT_LEN = range(4)
+# Columns of the packed per-row inputs: one host-to-device copy fills them all. LORA is
+# the row's LoRA adapter slot (-1: none; pad rows have none).
+TOKEN, POSITION, SLOT, CONTEXT_LEN, LORA = range(5)
 
-Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+Forward = Callable[..., torch.Tensor]
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
@@ -56,18 +58,20 @@ def pad_decode_batch(
     bucket: int,
     block_size: int,
     scratch_block: int,
+    lora_slots: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Host side of one padded decode step. Returns rows [bucket, 4] int64 (token,
-    position, slot, context length) and block tables [bucket, width] int32, where width
-    covers the longest real context."""
+    """Host side of one padded decode step. Returns rows [bucket, 5] int64 (token,
+    position, slot, context length, LoRA slot) and block tables [bucket, width] int32,
+    where width covers the longest real context."""
     n = len(token_ids)
     if n > bucket:
         raise ValueError(f"{n} sequences do not fit a bucket of {bucket}")
     rows = []
-    for token, ctx, table in zip(token_ids, context_lens, block_tables, strict=True):
+    loras = lora_slots or [-1] * n
+    for token, ctx, table, lora in zip(token_ids, context_lens, block_tables, loras, strict=True):
         pos = ctx - 1
-        rows.append((token, pos, table[pos // block_size] * block_size + pos % block_size, ctx))
-    rows += [(0, 0, scratch_block * block_size, 1)] * (bucket - n)
+        rows.append((token, pos, table[pos // block_size] * block_size + pos % block_size, ctx, lora))
+    rows += [(0, 0, scratch_block * block_size, 1, -1)] * (bucket - n)
 
     width = max([-(-ctx // block_size) for ctx in context_lens], default=1)
     tables = [table[:width] + [scratch_block] * (width - len(table[:width])) for table in block_tables]
@@ -87,13 +91,17 @@ class DecodeGraphRunner:
         scratch_block: int,
         device: torch.device,
         build_mask: bool = False,
+        lora: bool = False,
     ):
+        """lora: the model has LoRA adapters (enable_lora): every graph applies each row's
+        adapter slot, -1 for none, so steps with adapter rows replay graphs too."""
         self.forward = forward  # (input_ids [1, B], positions [1, B], metadata) -> hidden [1, B, E]
+        self.lora = lora
         self.sizes = graph_batch_sizes(max_batch)
         self.block_size = block_size
         self.scratch_block = scratch_block
         self.build_mask = build_mask  # the torch backend reads a [B, 1, 1, positions] mask
-        self.rows = torch.zeros((max_batch, 4), dtype=torch.long, device=device)
+        self.rows = torch.zeros((max_batch, 5), dtype=torch.long, device=device)
         self.tables = torch.full(
             (max_batch, max_blocks_per_seq), scratch_block, dtype=torch.int32, device=device
         )
@@ -128,15 +136,19 @@ class DecodeGraphRunner:
         context_lens: list[int],
         block_tables: list[list[int]],
         fill: Fill | None = None,
+        lora_slots: list[int] | None = None,
     ) -> torch.Tensor:
         """One decode step of len(token_ids) sequences; returns their hidden states [n, E].
         `fill` (row indices, token ids) sets tokens that are still on the device (async
-        scheduling). The result is a view into graph memory, valid until the next run."""
+        scheduling); lora_slots, each row's adapter slot (None: none has one). The result
+        is a view into graph memory, valid until the next run."""
+        if lora_slots is not None and not self.lora:
+            raise ValueError("LoRA rows in a graph runner built without lora")
         n = len(token_ids)
         bucket = bucket_for(n, self.sizes)
         if bucket is None:
             raise ValueError(f"{n} sequences exceed the largest graph batch {self.max_batch}")
-        self._load(token_ids, context_lens, block_tables, bucket)
+        self._load(token_ids, context_lens, block_tables, bucket, lora_slots)
         if fill is not None:
             self.rows[fill[0], TOKEN] = fill[1]
         if bucket in self.graphs:
@@ -146,9 +158,9 @@ class DecodeGraphRunner:
             hidden = self._body(bucket)
         return hidden[0, :n]
 
-    def _load(self, token_ids, context_lens, block_tables, bucket: int) -> None:
+    def _load(self, token_ids, context_lens, block_tables, bucket: int, lora_slots=None) -> None:
         rows, tables = pad_decode_batch(
-            token_ids, context_lens, block_tables, bucket, self.block_size, self.scratch_block
+            token_ids, context_lens, block_tables, bucket, self.block_size, self.scratch_block, lora_slots
         )
         self.rows[:bucket].copy_(rows, non_blocking=True)
         self.tables[:bucket, : tables.shape[1]].copy_(tables, non_blocking=True)
@@ -175,4 +187,6 @@ class DecodeGraphRunner:
         )
         input_ids = rows[:, TOKEN].contiguous()[None]
         positions = rows[:, POSITION].contiguous()[None]
-        return self.forward(input_ids, positions, meta)
+        if not self.lora:
+            return self.forward(input_ids, positions, meta)
+        return self.forward(input_ids, positions, meta, lora=LoRABatch(rows[:, LORA].contiguous()))

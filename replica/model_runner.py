@@ -179,6 +179,7 @@ class ModelRunner:
             scratch_block=self.scratch_block,
             device=self.device,
             build_mask=self.backend.name == "torch",
+            lora=bool(self.lora_layers),
         )
 
     def _size_kv_cache(self, config: EngineConfig) -> int:
@@ -284,14 +285,14 @@ class ModelRunner:
         path, whose row selection can pick any rows.
 
         lora_slots: each row's LoRA adapter slot (load_lora), -1 for the base model; None
-        where no row has one. Steps with adapter rows run eagerly, not as CUDA graphs."""
+        where no row has one."""
         if self.group is not None:
             fill = self._share_fill(fill, fill_rows)
         query_lens = [len(t) for t in token_ids]
         pure_decode = all(q == 1 for q in query_lens)
-        graphs = self.graphs is not None and pure_decode and not prompt_rows and lora_slots is None
+        graphs = self.graphs is not None and pure_decode and not prompt_rows
         if graphs and self.graphs.can_run(len(token_ids)):
-            hidden = self.graphs.run([t[0] for t in token_ids], context_lens, block_tables, fill)  # [n, E]
+            hidden = self.graphs.run([t[0] for t in token_ids], context_lens, block_tables, fill, lora_slots)
             hidden = hidden if len(sample_rows) == len(token_ids) else hidden[sample_rows]
         else:
             rows, order = rows_to_keep(query_lens, sample_rows, prompt_rows)

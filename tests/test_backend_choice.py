@@ -127,12 +127,13 @@ def test_pad_rows_point_at_the_scratch_block():
         bucket=4,
         block_size=block_size,
         scratch_block=scratch,
+        lora_slots=[-1, 1, 0],
     )
     assert rows.tolist() == [
-        [11, 4, 7 * 4 + 0, 5],  # position 4 is slot 0 of the second block
-        [12, 0, 4 * 4 + 0, 1],
-        [13, 8, 8 * 4 + 0, 9],
-        [0, 0, scratch * 4, 1],  # pad: token 0 at position 0, attends to one scratch slot
+        [11, 4, 7 * 4 + 0, 5, -1],  # position 4 is slot 0 of the second block; no adapter
+        [12, 0, 4 * 4 + 0, 1, 1],  # LoRA slot 1
+        [13, 8, 8 * 4 + 0, 9, 0],
+        [0, 0, scratch * 4, 1, -1],  # pad: token 0 at position 0, attends to one scratch slot
     ]
     assert tables.dtype == torch.int32
     assert tables.tolist() == [[3, 7, scratch], [4, scratch, scratch], [5, 6, 8], [scratch] * 3]

@@ -329,8 +329,9 @@ def test_async_scheduling_matches_sync_with_sampling_penalties_and_a_grammar(tin
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
 def test_lora_batch_matches_peft(tiny_model, tmp_path, tokenizer, device):
     """LoRA on the device's path (on CUDA: the Triton BGMV kernels, async scheduling,
-    base-only decode steps as CUDA graphs, adapter steps eagerly): one batch mixing two
-    adapters and the base model gives HF + PEFT's greedy tokens (fp32, PEFT on CPU)."""
+    decode steps as CUDA graphs with each row's adapter slot; on CPU the same padded path
+    eagerly): one batch mixing two adapters and the base model gives HF + PEFT's greedy
+    tokens (fp32, PEFT on CPU)."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
     path, _ = tiny_model
@@ -370,8 +371,15 @@ def test_lora_batch_matches_peft(tiny_model, tmp_path, tokenizer, device):
         enable_lora=True,
         max_loras=2,
     )
+    runner = llm.engine.runner
+    if device == "cpu":  # the padded graph path, run eagerly, as CUDA replays it
+        runner.graphs = runner.build_graph_runner(max_batch=8)
+    padded = []
+    run = runner.graphs.run
+    runner.graphs.run = lambda *args: padded.append(args[-1]) or run(*args)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=row_loras)
     assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert [0, 1, -1, 1, -1] in padded, "decode steps with adapter rows ran the graph path"
     stats = llm.engine.stats()
     assert stats.kv.num_free_blocks == stats.kv.num_total_blocks

@@ -171,10 +171,25 @@ def test_triton_strided_rows_int32_slots_fp16():
 
 
 @needs_triton
+def test_triton_one_row_views():
+    """A one-row batch whose slot id and row are views with other strides, as a CUDA
+    graph's one-row bucket reads them from its packed inputs."""
+    gen = torch.Generator().manual_seed(5)
+    a, b = stacked(2, (24, 8), 4, 32, torch.float32, gen)
+    packed = torch.tensor([[7, 1, 3, 9, 1]], device=DEVICE)  # the slot in column 4
+    token_slots = packed[:, 4]
+    assert token_slots.stride(0) == 5
+    x = torch.randn(3, 64, generator=gen).to(DEVICE)[1:2, ::2]  # one row, strided columns
+    check(x.contiguous(), a, b, token_slots, torch.float32)
+    wide = torch.randn(1, 96, generator=gen).to(DEVICE)[:, 16:48]
+    check(wide, a, b, token_slots, torch.float32)
+
+
+@needs_triton
 def test_triton_reads_only_each_tokens_own_slot():
     """NaN in a slot no token uses must not reach any row: each token gathers its own
-    slot's A and B. (lora_delta_torch multiplies every slot's h by its mask, so it would
-    spread that NaN to every row: the reference is taken with the slot zeroed.)"""
+    slot's A and B. (lora_delta_torch's second GEMM runs over every slot's B, so a NaN
+    there would reach every row: the reference is taken with the slot zeroed.)"""
     gen = torch.Generator().manual_seed(2)
     a, b = stacked(3, (20,), 4, 24, torch.float32, gen)
     x = torch.randn(6, 24, generator=gen, device="cpu").to(DEVICE)

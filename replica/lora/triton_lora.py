@@ -112,8 +112,10 @@ def lora_delta_triton(
     out_features = b.shape[2]
     assert a_in == in_features and b.shape[:2] == (slots, width), (x.shape, a.shape, b.shape)
     assert token_slots.shape == (tokens,) and not token_slots.dtype.is_floating_point
-    # The kernels index the innermost dimension unstrided.
-    assert x.stride(1) == 1 and a.stride(2) == 1 and b.stride(2) == 1 and token_slots.stride(0) == 1
+    # The kernels index the innermost dimension unstrided; a dimension of size 1 may have
+    # any stride (a graph's one-row slot column is a view with its row's stride).
+    for tensor in (x, a, b, token_slots):
+        assert tensor.shape[-1] <= 1 or tensor.stride(-1) == 1, (tensor.shape, tensor.stride())
     out = torch.empty(tokens, out_features, dtype=x.dtype, device=x.device)
     if tokens == 0 or out_features == 0:
         return out
