@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from replica.attention.context import get_forward_context
+from replica.cpu.layers import PackedLinear
 from replica.lora.kernels import lora_delta
 from replica.lora.weights import AdapterWeights
 
@@ -68,9 +69,10 @@ def wrap_targets(decoder: nn.Module, max_loras: int, max_rank: int) -> list[LoRA
     stand-ins' fused q/k/v and gate/up GEMMs as one LoRALinear each (their slices side by
     side), or transformers' separate projections. Returns the wrappers, in layer order."""
     param = next(decoder.parameters())
-    make = lambda base, layer, slices, k: LoRALinear(  # noqa: E731
-        base, layer, slices, k, max_loras, max_rank, param.dtype, param.device
-    )
+
+    def make(base: nn.Module, layer: int, slices: list[tuple[str, int]], in_features: int) -> LoRALinear:
+        return LoRALinear(base, layer, slices, in_features, max_loras, max_rank, param.dtype, param.device)
+
     wrapped = []
     if hasattr(decoder, "attentions"):  # replica/cpu/decoder.py's FusedDecoder
         for layer, (attn, mlp) in enumerate(zip(decoder.attentions, decoder.mlps, strict=True)):
@@ -82,13 +84,18 @@ def wrap_targets(decoder: nn.Module, max_loras: int, max_rank: int) -> list[LoRA
             mlp.down = make(mlp.down, layer, [("down_proj", hidden)], inner)
             wrapped += [attn.qkv, attn.o_proj, mlp.gate_up, mlp.down]
         return wrapped
-    for layer, block in enumerate(decoder.layers):
+    for layer, block in enumerate(getattr(decoder, "layers", [])):
         for parent, names in (
             (block.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
             (block.mlp, ("gate_proj", "up_proj", "down_proj")),
         ):
             for name in names:
-                base = getattr(parent, name)
+                base = getattr(parent, name, None)
+                if not isinstance(base, nn.Linear | PackedLinear):
+                    raise ValueError(
+                        f"enable_lora: layer {layer} of {type(decoder).__name__} has no linear {name}; "
+                        "LoRA adapters run on Llama-family models"
+                    )
                 setattr(parent, name, make(base, layer, [(name, base.out_features)], base.in_features))
                 wrapped.append(getattr(parent, name))
     return wrapped
