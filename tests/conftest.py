@@ -163,6 +163,28 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: item.path.name == "test_multinode.py")
 
 
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def save_lora_adapter(model, directory, rank: int, seed: int, b_scale: float = 1.0):
+    """A seeded random LoRA adapter of `model` on every attention and MLP projection, in
+    PEFT's files. B is not zero (init_lora_weights=False), so the adapter changes the
+    output; b_scale scales it down (to keep the output text-like). lora_alpha is 2 * rank.
+    Returns `model` without the adapter, for the next one."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=LORA_TARGETS, init_lora_weights=False)
+    peft_model = get_peft_model(model, config)
+    if b_scale != 1.0:
+        with torch.no_grad():
+            for name, param in peft_model.named_parameters():
+                if "lora_B" in name:
+                    param.mul_(b_scale)
+    peft_model.save_pretrained(directory)
+    return peft_model.unload()
+
+
 def hf_greedy(model, token_ids: list[int], max_new_tokens: int, eos_ids: set[int]) -> list[int]:
     """The oracle: HF generate, batch 1 (no padding), greedy, fp32; output cut after EOS."""
     with torch.no_grad():

@@ -10,6 +10,7 @@ import time
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import save_lora_adapter
 
 from deployments.batch import run_batch
 from replica import SamplingParams
@@ -174,16 +175,12 @@ def test_tensor_parallel_engines_in_the_batch_job(ray_cluster, tmp_path, model_p
 def lora_adapter(tmp_path_factory, model_path) -> str:
     """A seeded random LoRA adapter of the bundled model, on every projection, as PEFT
     saves it: far enough from the base model that greedy text changes."""
-    import peft
     import torch
     from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False)
     path = tmp_path_factory.mktemp("lora-adapter")
-    peft.get_peft_model(model, config).save_pretrained(path)
+    save_lora_adapter(model, path, rank=8, seed=0)
     return str(path)
 
 

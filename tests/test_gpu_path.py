@@ -18,7 +18,7 @@ TRITON_RUNS_ON_CPU = (
 )
 
 import pytest  # noqa: E402
-from conftest import hf_greedy  # noqa: E402
+from conftest import hf_greedy, save_lora_adapter  # noqa: E402
 from test_attention_reference import dense_reference  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
@@ -332,16 +332,13 @@ def test_lora_batch_matches_peft(tiny_model, tmp_path, tokenizer, device):
     decode steps as CUDA graphs with each row's adapter slot; on CPU the same padded path
     eagerly): one batch mixing two adapters and the base model gives HF + PEFT's greedy
     tokens (fp32, PEFT on CPU)."""
-    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft import PeftModel
 
     path, _ = tiny_model
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     loras = []
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     for i, rank in enumerate((8, 4)):
-        torch.manual_seed(i)
-        base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False)
-        get_peft_model(base, config).save_pretrained(tmp_path / str(i))
+        base = save_lora_adapter(base, tmp_path / str(i), rank, seed=i)
         loras.append(LoRARequest(f"adapter-{i}", i + 1, str(tmp_path / str(i))))
     prompts = [tokenizer(p).input_ids for p in ["Hi", "The sky is", "One two three four five", "x", "ab"]]
     row_loras = [loras[0], loras[1], None, loras[1], None]

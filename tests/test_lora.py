@@ -5,15 +5,14 @@ chunked prefill and preemption; and the engine's own handling of adapters."""
 
 import pytest
 import torch
-from conftest import hf_greedy
-from peft import LoraConfig, PeftModel, get_peft_model
+from conftest import hf_greedy, save_lora_adapter
+from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from replica import LLM, SamplingParams
 from replica.lora.adapter_files import LoRAAdapterError
 from replica.lora.request import LoRARequest
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ADAPTERS = {"a": 8, "b": 16, "c": 8, "d": 16}  # name -> rank
 PROMPTS = [  # two per adapter, then two for the base model
     ("a", "The capital of France is"),
@@ -30,21 +29,13 @@ PROMPTS = [  # two per adapter, then two for the base model
 MAX_NEW = 16
 
 
-def save_adapter(model_path, directory, rank: int, seed: int) -> None:
-    """A random adapter in PEFT's format: B is not zero (init_lora_weights=False), so it
-    changes the output."""
-    torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS, init_lora_weights=False)
-    get_peft_model(base, config).save_pretrained(directory)
-
-
 @pytest.fixture(scope="module")
 def adapters(model_path, tmp_path_factory) -> dict[str, LoRARequest]:
     root = tmp_path_factory.mktemp("adapters")
     loras = {}
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     for i, (name, rank) in enumerate(ADAPTERS.items()):
-        save_adapter(model_path, root / name, rank, seed=i)
+        model = save_lora_adapter(model, root / name, rank, seed=i)
         loras[name] = LoRARequest(name, i + 1, str(root / name))
     return loras
 

@@ -7,13 +7,13 @@ model's requests go past it. Each adapter's KV is cached apart from the base mod
 
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
-from test_scheduler_properties import complete_step
+from hypothesis.stateful import invariant, rule
+from test_scheduler_properties import SchedulerMachine, complete_step
 
 from kvcache import KVCacheManager
 from kvcache.hashing import ROOT_HASH
 from replica.lora.request import LoRARequest
-from replica.request import FinishReason, Request, RequestStatus
+from replica.request import Request, RequestStatus
 from replica.sampling_params import SamplingParams
 from replica.scheduler import Scheduler
 
@@ -30,12 +30,14 @@ def _request(rid, prompt, max_tokens, lora=None, priority=0) -> Request:
     return Request(rid, list(prompt), params, max_tokens=max_tokens, lora=lora, priority=priority)
 
 
-class LoRASchedulerMachine(RuleBasedStateMachine):
+class LoRASchedulerMachine(SchedulerMachine):
+    """The base machine's abort and preempt rules and its block and queue invariants,
+    with adapter requests, max_loras and the slot checks."""
+
     policy = "fcfs"
 
     def __init__(self):
         super().__init__()
-        self.kv = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=True)
         self.scheduler = Scheduler(
             self.kv,
             max_num_batched_tokens=10,
@@ -44,9 +46,7 @@ class LoRASchedulerMachine(RuleBasedStateMachine):
             max_loras=MAX_LORAS,
         )
         self.slots = self.scheduler.lora_slots
-        self.live: dict[str, Request] = {}
         self.finished: list[Request] = []
-        self.next_id = 0
 
     @rule(
         prompt=st.lists(st.integers(0, 2), min_size=1, max_size=20),  # tiny vocab: shared prefixes
@@ -100,17 +100,6 @@ class LoRASchedulerMachine(RuleBasedStateMachine):
             del self.live[request.request_id]
             self.finished.append(request)
 
-    @rule(data=st.data())
-    def abort(self, data):
-        if self.live:
-            rid = data.draw(st.sampled_from(sorted(self.live)))
-            self.scheduler.finish(self.live.pop(rid), FinishReason.ABORT)
-
-    @rule(data=st.data())
-    def preempt(self, data):
-        if self.scheduler.running:
-            self.scheduler.preempt(data.draw(st.sampled_from(self.scheduler.running)))
-
     @invariant()
     def slots_match_the_running_requests(self):
         running = [r for r in self.scheduler.running if r.lora is not None]
@@ -123,29 +112,6 @@ class LoRASchedulerMachine(RuleBasedStateMachine):
             users = sum(1 for r in running if r.lora == lora) if lora is not None else 0
             assert self.slots.users[slot] == users, (slot, lora, self.slots.users)
         assert set(self.slots.running()) == {r.lora for r in running}
-
-    @invariant()
-    def blocks_are_accounted_for(self):
-        holders: dict[int, int] = {}
-        for request in self.live.values():
-            for block_id in self.kv.block_ids(request.request_id):
-                holders[block_id] = holders.get(block_id, 0) + 1
-        for block in self.kv.pool.blocks:
-            assert block.ref_count == holders.get(block.block_id, 0)
-        assert self.kv.num_free_blocks == sum(1 for b in self.kv.pool.blocks if b.ref_count == 0)
-        for request in self.scheduler.waiting:
-            assert self.kv.block_ids(request.request_id) == []
-        for request in self.scheduler.running:
-            held = len(self.kv.block_ids(request.request_id))
-            assert held * BLOCK_SIZE >= request.num_computed_tokens
-
-    @invariant()
-    def queues_are_disjoint_and_bounded(self):
-        running = {r.request_id for r in self.scheduler.running}
-        waiting = {r.request_id for r in self.scheduler.waiting}
-        assert not running & waiting
-        assert running | waiting == set(self.live)
-        assert len(running) <= MAX_NUM_SEQS
 
     def teardown(self):
         """Stepped to the end, every request finishes, in a bounded number of steps."""

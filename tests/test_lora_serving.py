@@ -15,13 +15,13 @@ import openai
 import pytest
 import ray
 import torch
-from conftest import SERVE_GRPC_PORT, SERVE_HTTP_PORT, hf_greedy, undeploy
+from conftest import SERVE_GRPC_PORT, SERVE_HTTP_PORT, hf_greedy, save_lora_adapter, undeploy
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
+from test_coordinator import report
 
 from deployments.app import AppConfig, build_app
 from deployments.cli import _lora_modules, main
-from replica.wire import ReplicaReport
 from router.coordinator import Coordinator, LoRANameTaken, LoRARegistry
 from router.generation import APIError
 from router.lora_adapters import Adapters, LoRASettings
@@ -32,25 +32,7 @@ APP = "lora-test"
 MODEL = "SmolLM2-135M-Instruct"
 KEY = "lora-key"
 MAX_LORA_RANK = 8
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 HEADERS = {"Authorization": f"Bearer {KEY}"}
-
-
-def save_adapter(model, path, rank: int, seed: int):
-    """A PEFT LoRA adapter on `model` with nonzero B (init_lora_weights=False), so that it
-    changes the model's output; B is scaled down to keep that output text-like. Returns
-    the model without the adapter, for the next one."""
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)
-    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS, init_lora_weights=False)
-    peft_model = get_peft_model(model, config)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_B" in name:
-                param.mul_(0.1)
-    peft_model.save_pretrained(path)
-    return peft_model.unload()
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +45,7 @@ def adapters(tmp_path_factory, model_path) -> dict:
     paths = {name: root / name for name in ("startup", "runtime", "high_rank", "other_base")}
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     for name, rank, seed in (("startup", 8, 0), ("runtime", 4, 1), ("high_rank", 16, 2)):
-        model = save_adapter(model, paths[name], rank, seed)
+        model = save_lora_adapter(model, paths[name], rank, seed, b_scale=0.1)
     tiny = LlamaConfig(
         hidden_size=64,
         intermediate_size=128,
@@ -73,7 +55,7 @@ def adapters(tmp_path_factory, model_path) -> dict:
         vocab_size=49152,
     )
     torch.manual_seed(3)
-    save_adapter(LlamaForCausalLM(tiny), paths["other_base"], 8, 3)
+    save_lora_adapter(LlamaForCausalLM(tiny), paths["other_base"], 8, 3, b_scale=0.1)
     return paths
 
 
@@ -439,35 +421,15 @@ def test_coordinator_answers_reports_with_the_registered_ids(ray_cluster):
         second = ray.get(coordinator.register_lora.remote("b", "/b"))
         with pytest.raises(LoRANameTaken):
             ray.get(coordinator.register_lora.remote("a", "/c"))
-        assert ray.get(coordinator.report.remote("r", report())) == [first.lora_int_id, second.lora_int_id]
+        assert ray.get(coordinator.report.remote("r", report(1, 0.0))) == [
+            first.lora_int_id,
+            second.lora_int_id,
+        ]
         assert ray.get(coordinator.unregister_lora.remote("a"))
-        assert ray.get(coordinator.report.remote("r", report())) == [second.lora_int_id]
+        assert ray.get(coordinator.report.remote("r", report(1, 0.0))) == [second.lora_int_id]
         assert ray.get(coordinator.lora.remote("b")) == second
     finally:
         ray.kill(coordinator)
-
-
-def report() -> ReplicaReport:
-    return ReplicaReport(
-        node_id="n",
-        deployment="LLMServer",
-        device="cpu",
-        tensor_parallel_size=1,
-        block_size=16,
-        max_model_len=64,
-        max_waiting=None,
-        num_free_blocks=1,
-        num_total_blocks=1,
-        kv_cache_usage=0.0,
-        prefix_cache_queries=0,
-        prefix_cache_hits=0,
-        num_running=0,
-        num_waiting=0,
-        num_pending_blocks=0,
-        num_preemptions=0,
-        cpu_affinity=[0],
-        torch_threads=1,
-    )
 
 
 def test_cli_stops_at_a_bad_start_up_adapter(adapters, tmp_path, capsys):
