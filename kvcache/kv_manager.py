@@ -125,6 +125,18 @@ class KVCacheManager:
             entry.hashes.append(parent)
             self.pool.cache(entry.blocks[i], parent)
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Give back the blocks past the first num_tokens tokens (speculative decoding's
+        rejected tokens). Only blocks never published are dropped: a published block holds
+        known tokens, and num_tokens never falls below those."""
+        entry = self._requests[request_id]
+        keep = cdiv(num_tokens, self.block_size)
+        if keep < len(entry.hashes):
+            raise ValueError(f"cannot trim {request_id} to {num_tokens} tokens: its blocks are published")
+        if keep < len(entry.blocks):
+            self.pool.free(entry.blocks[keep:])
+            del entry.blocks[keep:]
+
     def free(self, request_id: str) -> None:
         entry = self._requests.pop(request_id, None)
         if entry is not None:

@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass, fields
 
+from replica.spec_decode.config import SpeculativeConfig
+
 # fcfs and priority are vLLM's; static (a batch at a time) is only the benchmarks' baseline.
 SCHEDULING_POLICIES = ("fcfs", "priority", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -62,8 +64,15 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # Speculative decoding (replica/spec_decode/), vLLM's argument: a dict such as
+    # {"method": "ngram", "num_speculative_tokens": 4} or {"method": "draft_model",
+    # "model": ..., "num_speculative_tokens": 4}, its JSON text, or None for none.
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.speculative_config is not None and self.tensor_parallel_size > 1:
+            raise ValueError("speculative_config does not yet work with tensor_parallel_size > 1")
         positive = (
             "block_size",
             "max_num_batched_tokens",

@@ -4,7 +4,7 @@ request that produced a token, only what is new (outputs.RequestDelta)."""
 
 import itertools
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers import AutoTokenizer
@@ -28,6 +28,9 @@ from replica.sampler import SamplerOutput, sample, torch_argmax
 from replica.sampling_params import SamplingParams
 from replica.sampling_state import SamplingState
 from replica.scheduler import ScheduledRequest, Scheduler
+from replica.spec_decode.speculator import Speculator, proposal_rows
+from replica.spec_decode.stats import SpecDecodeStats
+from replica.spec_decode.verify import Verified
 
 # The errors cross to the ingress (wire.py); EngineStepError is imported for the callers
 # that know it as replica.engine.EngineStepError.
@@ -47,6 +50,8 @@ class EngineStats:
     loras: list[str]
     running_loras: list[str]
     waiting_loras: list[str]
+    # Speculative decoding's counters since start (all zero without speculative_config)
+    spec_decode: SpecDecodeStats
 
 
 @dataclass
@@ -57,6 +62,8 @@ class _InFlight:
     requests: list[Request]
     sampled: SamplerOutput | None
     prompt_logprobs: PromptLogprobs | None = None
+    # Speculating requests' verified tokens, already on the host (such steps run in step).
+    verified: list[tuple[Request, Verified]] = field(default_factory=list)
 
 
 class Engine:
@@ -100,6 +107,11 @@ class Engine:
         self._ids = itertools.count()
         self._grammars: GrammarCompiler | None = None  # built by the first constrained request
         self._groups: dict[str, SampleGroup] = {}  # n > 1, by the caller's id
+        self.speculator = (  # speculative decoding (replica/spec_decode/), with a speculative_config
+            Speculator(config, self.scheduler, self.runner.vocab_size, self.runner.num_blocks)
+            if config.speculative_config is not None
+            else None
+        )
 
     def add_request(
         self,
@@ -319,7 +331,12 @@ class Engine:
         # A grammar masks a request's logits after consuming its previous token, so while a
         # running request is constrained the step reads the tokens in flight first. A waiting
         # one has none in flight, and it is running by the step that launches its second.
-        if self.async_scheduling and not any(r.constrained for r in self.scheduler.running):
+        # A proposal starts from a request's newest token, so a step that may speculate
+        # runs in step too.
+        in_step = any(r.constrained for r in self.scheduler.running) or (
+            self.speculator is not None and self.speculator.may_speculate()
+        )
+        if self.async_scheduling and not in_step:
             launched = self._launch()
             previous, self._in_flight = self._in_flight, launched
             return self._complete(previous) if previous is not None else []
@@ -330,9 +347,13 @@ class Engine:
         return outputs + (self._complete(launched) if launched is not None else [])
 
     def _launch(self) -> _InFlight | None:
+        if self.speculator is not None:
+            self.speculator.propose()
         plan = self.scheduler.schedule()
         for request in plan.preempted:
             self.sampling.remove(request.request_id)
+            if self.speculator is not None:
+                self.speculator.drop(request.request_id)
         if not plan.scheduled:
             return None
         # The runner wants decode rows (one new token) first.
@@ -349,6 +370,9 @@ class Engine:
             previous = self._in_flight.sampled.token_ids
             fill = (list(rows), previous[torch.tensor(sources, device=device)])
         prompt = plan_prompt_rows(items)
+        # A speculating row's logits are wanted at each proposed token's position too.
+        spec_rows = proposal_rows(items)
+        extra_rows = sorted([*(prompt.rows if prompt is not None else []), *spec_rows])
         for slot, lora in plan.lora_loads:
             self.runner.load_lora(slot, self.loras.get(lora))
         logits = self.runner.execute(
@@ -357,17 +381,25 @@ class Engine:
             block_tables=[self.kv.block_ids(s.request.request_id) for s in items],
             sample_rows=sample_rows,
             fill=fill,
-            prompt_rows=prompt.rows if prompt is not None else None,
+            prompt_rows=extra_rows or None,
             lora_slots=self._lora_slots(items),
         )
         self.scheduler.advance(plan)
         prompt_logprobs = None
-        if prompt is not None:  # their logits follow the sampling rows'
-            prompt_logprobs = compute_prompt_logprobs(logits[len(sample_rows) :], prompt)
-            logits = logits[: len(sample_rows)]
+        extra_logits = logits[len(sample_rows) :]  # the extra rows' logits follow the sampling rows'
+        logits = logits[: len(sample_rows)]
+        if prompt is not None:
+            prompt_logprobs = compute_prompt_logprobs(_rows_of(extra_logits, extra_rows, prompt.rows), prompt)
+        verified = []
+        if spec_rows:
+            spec_logits = _rows_of(extra_logits, extra_rows, spec_rows)
+            verified = self.speculator.verify(items, sample_rows, logits, spec_logits, self._grammars)
+            keep = [j for j, i in enumerate(sample_rows) if not items[i].num_spec_tokens]
+            sample_rows = [sample_rows[j] for j in keep]
+            logits = logits[keep]
         requests = [items[i].request for i in sample_rows]
         if not requests:
-            return _InFlight([], None, prompt_logprobs)
+            return _InFlight([], None, prompt_logprobs, verified)
         if any(r.edits_logits for r in requests):
             self._edit_logits(logits, requests)
         sampled = sample(logits, self.sampling.batch(requests), self._argmax, self._temperature_sample)
@@ -376,7 +408,7 @@ class Engine:
             request.token_ids.append(PENDING)
             request.num_pending += 1
             request.pending_row = row
-        return _InFlight(requests, sampled, prompt_logprobs)
+        return _InFlight(requests, sampled, prompt_logprobs, verified)
 
     def _lora_slots(self, items: list[ScheduledRequest]) -> list[int] | None:
         """Each row's adapter slot (-1: the base model), or None if no row has one."""
@@ -388,15 +420,29 @@ class Engine:
     def _complete(self, launched: _InFlight) -> list[RequestDelta]:
         if launched.prompt_logprobs is not None:  # before the tokens: a first delta carries them
             launched.prompt_logprobs.resolve()
+        outputs = [self._append_verified(r, v) for r, v in launched.verified if not r.is_finished]
         if launched.sampled is None:
-            return []
+            return outputs
         tokens, logprobs = launched.sampled.resolve()
-        return [
+        return outputs + [
             self._append_token(r, token, logprob)
             for r, token, logprob in zip(launched.requests, tokens, logprobs, strict=True)
             # Finished (stop, length or abort) while this token was in flight: it is dropped.
             if not r.is_finished
         ]
+
+    def _append_verified(self, request: Request, verified: Verified) -> RequestDelta:
+        """Append a verified proposal's tokens one by one, as sampled ones, up to the first
+        that finishes the request; one delta carries them all."""
+        deltas = []
+        for i, token in enumerate(verified.token_ids):
+            request.token_ids.append(PENDING)
+            request.num_pending += 1
+            logprob = verified.logprobs[i] if verified.logprobs is not None else None
+            deltas.append(self._append_token(request, token, logprob))
+            if request.is_finished:
+                break
+        return _merge_deltas(deltas)
 
     @torch.inference_mode()  # the logits are inference tensors
     def _edit_logits(self, logits: torch.Tensor, requests: list[Request]) -> None:
@@ -417,7 +463,15 @@ class Engine:
             loras=[lora.lora_name for lora in self.list_loras()],
             running_loras=_names(r.lora for r in self.scheduler.running),
             waiting_loras=_names(r.lora for r in self.scheduler.waiting),
+            spec_decode=self._spec_stats(),
         )
+
+    def _spec_stats(self) -> SpecDecodeStats:
+        """A copy: the stats cross to other threads while the engine steps."""
+        if self.speculator is None:
+            return SpecDecodeStats()
+        stats = self.speculator.stats
+        return replace(stats, accepted_per_pos=list(stats.accepted_per_pos))
 
     def _append_token(self, request: Request, token: int, logprob: TokenLogprob | None) -> RequestDelta:
         """Fill the request's oldest placeholder with its sampled token, then detokenize
@@ -495,6 +549,8 @@ class Engine:
         self.scheduler.finish(request, reason)
         self.sampling.remove(request.request_id)
         self._requests.pop(request.request_id, None)
+        if self.speculator is not None:
+            self.speculator.drop(request.request_id)
         group = self._groups.get(request.group_id) if request.group_id is not None else None
         if group is not None and group.finish(request):
             del self._groups[request.group_id]
@@ -513,6 +569,8 @@ class Engine:
     def pin_to_cores(self, plan: CorePlan) -> None:
         """Run each eager step on the plan's cores (the caller pins the process itself)."""
         self.runner.use_cores(plan)
+        if self.speculator is not None:
+            self.speculator.use_cores(plan)
 
     async def check_alive(self) -> None:
         """Raises when a part of the engine outside this process (a tensor-parallel
@@ -522,6 +580,26 @@ class Engine:
     def cached_prefix_summary(self, limit: int) -> list[bytes]:
         """The newest cached block hashes, at most `limit`; see KVCacheManager."""
         return self.kv.cached_prefix_summary(limit)
+
+
+def _rows_of(extra_logits: torch.Tensor, extra_rows: list[int], rows: list[int]) -> torch.Tensor:
+    """The logits of `rows`, a subset of the step's extra rows (ascending)."""
+    if len(rows) == len(extra_rows):
+        return extra_logits
+    position = {row: j for j, row in enumerate(extra_rows)}
+    return extra_logits[torch.tensor([position[r] for r in rows], device=extra_logits.device)]
+
+
+def _merge_deltas(deltas: list[RequestDelta]) -> RequestDelta:
+    """One delta for several tokens appended in a row."""
+    logprobs = None if deltas[0].new_logprobs is None else [lp for d in deltas for lp in d.new_logprobs]
+    return replace(
+        deltas[-1],
+        new_token_ids=[t for d in deltas for t in d.new_token_ids],
+        new_text="".join(d.new_text for d in deltas),
+        new_logprobs=logprobs,
+        prompt_logprobs=deltas[0].prompt_logprobs,
+    )
 
 
 def _names(loras) -> list[str]:

@@ -19,6 +19,7 @@ from replica.detokenizer import IncrementalDetokenizer
 from replica.lora.request import LoRARequest
 from replica.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from replica.sampling_params import SamplingParams
+from replica.spec_decode.acceptance import SpeculationState
 
 PENDING = -1  # token_ids placeholder for a sampled token still on the device
 
@@ -67,6 +68,11 @@ class Request:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     next_prompt_logprob: int = 1
     lora: LoRARequest | None = None  # the adapter it runs with; None: the base model
+    # Speculative decoding: the tokens proposed for its next step (verified there, never
+    # part of token_ids until accepted), and whether and when it speculates.
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_probs: torch.Tensor | None = None  # [len(spec_token_ids), V]: the proposer's q
+    speculation: SpeculationState = field(default_factory=SpeculationState)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -63,6 +63,8 @@ class SamplingParams:
     n: int = 1  # samples of the prompt, sharing its prefilled KV blocks
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     structured_outputs: StructuredOutputs | None = None
+    # With the engine's speculative_config: False opts this request out of speculation.
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):  # as sent over Ray or in a batch row
@@ -143,6 +145,9 @@ class SamplingParams:
                 _is_number(v) and -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS for v in self.logit_bias.values()
             ),
             f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+        )
+        check(
+            isinstance(self.speculative, bool), f"speculative must be true or false, got {self.speculative!r}"
         )
         check(
             self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputs),

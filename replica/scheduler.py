@@ -14,6 +14,9 @@ schedules exactly as `fcfs` does.
 The `static` policy exists only as the benchmark baseline: a new batch is admitted
 only once every request of the previous batch has finished.
 
+A running request with proposed tokens (speculative decoding) is scheduled for them too,
+as a chunk of its catch-up token and the proposals, cut to the budget like any chunk.
+
 With LoRA adapters, a step serves at most max_loras of them (lora/slots.py). A waiting
 request whose adapter finds no slot waits, and so does every adapter request behind it,
 so that the adapters already running cannot keep its slot from freeing up; requests for
@@ -36,21 +39,24 @@ NO_PREFIX = CachedPrefix([], 0)
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # proposed tokens included
+    num_spec_tokens: int = 0  # the last num_spec_tokens are proposed, to be verified
 
     @property
     def context_len(self) -> int:
-        """Tokens with KV once this step has run."""
+        """Tokens with KV once this step has run (proposed ones included)."""
         return self.request.num_computed_tokens + self.num_new_tokens
 
     @property
     def new_token_ids(self) -> list[int]:
-        return self.request.token_ids[self.request.num_computed_tokens : self.context_len]
+        request = self.request
+        known = request.token_ids[request.num_computed_tokens : self.context_len - self.num_spec_tokens]
+        return known + request.spec_token_ids[: self.num_spec_tokens]
 
     @property
     def produces_token(self) -> bool:
         """Whether this step completes the request's input, so a token is sampled."""
-        return self.context_len == self.request.num_tokens
+        return self.context_len - self.num_spec_tokens == self.request.num_tokens
 
 
 @dataclass
@@ -113,10 +119,11 @@ class Scheduler:
             if request.num_output_tokens >= request.max_tokens:
                 i += 1  # its last token is in flight (async scheduling): nothing left to run
                 continue
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            behind = request.num_tokens - request.num_computed_tokens
+            n = min(behind + len(request.spec_token_ids), budget)
             if not self._make_room(request, n, out):
                 break  # the request itself was preempted: it was running's last
-            out.scheduled.append(ScheduledRequest(request, n))
+            out.scheduled.append(ScheduledRequest(request, n, max(0, n - behind)))
             budget -= n
             i += 1
 
@@ -204,8 +211,15 @@ class Scheduler:
             known = min(request.num_computed_tokens, request.num_tokens - request.num_pending)
             self.kv.cache_full_blocks(request.request_id, request.token_ids, known, request.block_hash_root)
 
+    def reject_proposed(self, request: Request, num_rejected: int) -> None:
+        """Speculative decoding: the last num_rejected tokens computed were proposed and
+        rejected. Their KV is stale and the blocks that held only them go back."""
+        request.num_computed_tokens -= num_rejected
+        self.kv.trim(request.request_id, request.num_computed_tokens)
+
     def preempt(self, request: Request) -> None:
         """Drop a running request's KV; it will be recomputed when readmitted."""
+        request.spec_token_ids, request.spec_probs = [], None
         self._stop_running(request)
         self.kv.free(request.request_id)
         request.status = RequestStatus.WAITING

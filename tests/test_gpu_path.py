@@ -380,3 +380,38 @@ def test_lora_batch_matches_peft(tiny_model, tmp_path, tokenizer, device):
     assert [0, 1, -1, 1, -1] in padded, "decode steps with adapter rows ran the graph path"
     stats = llm.engine.stats()
     assert stats.kv.num_free_blocks == stats.kv.num_total_blocks
+
+
+@needs_cuda
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_decoding_matches_plain_decoding_on_cuda(tiny_model, method):
+    """Verification steps run eagerly beside graph-replayed decode steps of the requests
+    that opt out, and async scheduling pauses while a step may speculate: greedy output
+    equals the engine's without speculation, and every block comes back. The draft is
+    the target itself, so every proposed token is accepted."""
+    path, _ = tiny_model
+    prompts = ["one two three one two three one two", "Hi", "a b c d a b c d a b", "x y x y x"]
+    params = [
+        SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, speculative=i != 1)
+        for i in range(len(prompts))
+    ]
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "draft_model":
+        spec["model"] = str(path)
+    outputs = []
+    for speculative_config in (None, spec):
+        llm = LLM(
+            str(path),
+            dtype="float32",
+            device="cuda",
+            num_kv_blocks=64,
+            max_model_len=256,
+            speculative_config=speculative_config,
+        )
+        outputs.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        stats = llm.engine.stats()
+        assert stats.kv.num_free_blocks == stats.kv.num_total_blocks
+    assert outputs[1] == outputs[0]
+    assert stats.spec_decode.num_drafts > 0
+    if method == "draft_model":
+        assert stats.spec_decode.num_accepted_tokens == stats.spec_decode.num_draft_tokens
