@@ -168,6 +168,18 @@ class AppConfig(BaseModel):
                 raise ValueError(f"replica group {group.name!r}: enable_lora must be the application's")
         return self
 
+    @model_validator(mode="after")
+    def _speculative_config(self) -> "AppConfig":
+        """A bad speculative_config (unknown keys, bad JSON text, with tensor parallelism)
+        stops the start-up here, with its reason, rather than failing every replica."""
+        for group in [None, *self.replica_groups]:
+            engine_args = self.shape(group)[0]
+            EngineConfig(
+                speculative_config=engine_args.get("speculative_config"),
+                tensor_parallel_size=_tensor_parallel_size(engine_args),
+            )
+        return self
+
     def shape(self, group: ReplicaGroup | None = None) -> tuple[dict, float, float]:
         """(engine_args, num_cpus, num_gpus) of the app's replicas, or of a group's."""
         if group is None:

@@ -62,6 +62,17 @@ def main(argv: list[str] | None = None) -> int:
         help="adapters a replica keeps loaded, least recently used dropped past it (default: --max-loras)",
     )
 
+    # Speculative decoding (vLLM's flag), for `serve` and `batch`.
+    spec_args = argparse.ArgumentParser(add_help=False)
+    spec_args.add_argument(
+        "--speculative-config",
+        type=_speculative_config,
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+        'or \'{"method": "draft_model", "model": "org/small", "num_speculative_tokens": 4}\'',
+    )
+
     gen = commands.add_parser(
         "generate", parents=[model_args], help="generate text offline and stream it to the terminal"
     )
@@ -77,7 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     srv = commands.add_parser(
-        "serve", parents=[model_args, lora_args], help="serve the OpenAI-compatible HTTP API on a local Ray"
+        "serve",
+        parents=[model_args, lora_args, spec_args],
+        help="serve the OpenAI-compatible HTTP API on a local Ray",
     )
     srv.add_argument("--served-model-name", default=None, help="the model name clients send")
     srv.add_argument("--replicas", type=int, default=1)
@@ -123,7 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     bat = commands.add_parser(
-        "batch", parents=[model_args, lora_args], help="run a JSONL/Parquet file of prompts through Ray Data"
+        "batch",
+        parents=[model_args, lora_args, spec_args],
+        help="run a JSONL/Parquet file of prompts through Ray Data",
     )
     bat.add_argument("input", help="JSONL or Parquet rows with `prompt` or `messages`")
     bat.add_argument("output", help="JSONL file, or a .parquet directory")
@@ -151,6 +166,18 @@ def _check_model(args: argparse.Namespace) -> bool:
         print(f"kvserve: error: {e}", file=sys.stderr)
         return False
     return True
+
+
+def _speculative_config(value: str) -> dict:
+    """Checked as the flag is read, so bad JSON or an unknown key is an argparse error at
+    start; passed on as the dict, as a serve config's engine_args would hold it."""
+    from replica.spec_decode.config import SpeculativeConfig  # torch-free
+
+    try:
+        SpeculativeConfig.parse(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return json.loads(value)
 
 
 def _lora_modules(values: list[str]) -> dict[str, str]:
@@ -195,8 +222,21 @@ def _lora(args: argparse.Namespace) -> tuple[dict[str, str], dict]:
 def _batch(args: argparse.Namespace) -> int:
     if not _check_model(args):
         return 2
+    from replica.config import EngineConfig  # torch-free
+
     try:
         modules, lora_args = _lora(args)
+        engine_args = {
+            "model": args.model,
+            "revision": args.revision,
+            "dtype": args.dtype,
+            "cpu_kernels": args.cpu_kernels,
+            "kv_cache_memory_gb": args.kv_cache_memory_gb,
+            "tensor_parallel_size": args.tensor_parallel_size,
+            "speculative_config": args.speculative_config,
+            **lora_args,
+        }
+        EngineConfig.from_kwargs(**engine_args)  # a bad combination fails here, not in each actor
     except ValueError as e:
         print(f"kvserve: error: {e}", file=sys.stderr)
         return 2
@@ -211,15 +251,7 @@ def _batch(args: argparse.Namespace) -> int:
         summary = run_batch(
             args.input,
             args.output,
-            engine_args={
-                "model": args.model,
-                "revision": args.revision,
-                "dtype": args.dtype,
-                "cpu_kernels": args.cpu_kernels,
-                "kv_cache_memory_gb": args.kv_cache_memory_gb,
-                "tensor_parallel_size": args.tensor_parallel_size,
-                **lora_args,
-            },
+            engine_args=engine_args,
             min_replicas=args.min_replicas,
             max_replicas=args.max_replicas,
             batch_size=args.batch_size,
@@ -462,6 +494,7 @@ class _Server:
                     "cpu_cores": _cpu_cores(args.cpu_cores, args.replicas),
                     "tensor_parallel_size": args.tensor_parallel_size,
                     "scheduling_policy": args.scheduling_policy,
+                    "speculative_config": args.speculative_config,
                     **lora_args,
                 },
                 lora_modules=modules,

@@ -130,6 +130,7 @@ class LLMServer:
         """Engine figures. Reads engine state, so it runs on the engine thread."""
         s = self.engine.stats()
         config = self.engine.config
+        spec = config.speculative_config
         return ReplicaReport(
             node_id=self.node_id,
             deployment=self.deployment,
@@ -151,6 +152,8 @@ class LLMServer:
             running_loras=s.running_loras,
             waiting_loras=s.waiting_loras,
             max_loras=config.max_loras if config.enable_lora else 0,
+            num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+            spec_decode=s.spec_decode,  # a copy: the push thread pickles it as the engine steps
             cpu_affinity=sorted(os.sched_getaffinity(0)),  # the engine thread's
             torch_threads=torch.get_num_threads(),
         )

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from replica.lora.request import LoRARequest
 from replica.sampling_params import SamplingParams
+from replica.spec_decode.stats import SpecDecodeStats
 
 
 class QueueFullError(RuntimeError):
@@ -106,6 +107,10 @@ class ReplicaReport:
     running_loras: list[str] = field(default_factory=list)
     waiting_loras: list[str] = field(default_factory=list)
     max_loras: int = 0
+    # Speculative decoding: tokens proposed per step (0: no speculative_config, and no
+    # vllm:spec_decode_* metrics), and the counters since the engine started.
+    num_speculative_tokens: int = 0
+    spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     # The newest cached block hashes, bounded; hashes are chained, so one stands for its prefix.
     cached_block_hashes: list[bytes] = field(default_factory=list)
     # How old the report was when last passed on: an age, not a time of day, so that

@@ -13,7 +13,15 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from router.frontend import Choice, Choices
 from router.generation import APIError, Generation
@@ -134,6 +142,7 @@ class MessagesRequest(CountTokensRequest):
     stop_sequences: list[str] | None = None
     stream: bool | None = False
     metadata: dict[str, Any] | None = None  # accepted, as Anthropic's; not used
+    speculative: StrictBool | None = None  # kvserve's, as on /v1/chat/completions: false opts out
 
 
 class AnthropicErrorDetail(BaseModel):
@@ -199,6 +208,7 @@ def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
             top_k=body.top_k,
             stop=body.stop_sequences,
             stream=body.stream,
+            speculative=body.speculative,
         )
     try:
         return ChatCompletionRequest.model_validate(payload)

@@ -35,6 +35,7 @@ OPTIONAL_FIELDS = (
     "frequency_penalty",
     "repetition_penalty",
     "n",
+    "speculative",
 )
 
 

@@ -6,6 +6,10 @@ Counters sum the latest count of every replica ever reported, gone ones included
 that a replica's death or a scale-down never makes them go down (which Prometheus
 would read as a reset).
 
+With speculative decoding on (a replica reports num_speculative_tokens > 0; once one
+has, the counters stay), vLLM's vllm:spec_decode_* counters: drafts verified, tokens
+proposed, tokens accepted, and accepted tokens per draft position (label `position`).
+
 With LoRA on, vLLM's `vllm:lora_requests_info` says which adapters the replicas' running
 and waiting requests use, in its labels; its value is when that was last true (seconds
 since the epoch), as vLLM sets it.
@@ -13,6 +17,7 @@ since the epoch), as vLLM sets it.
 
 import time
 from collections.abc import Callable
+from itertools import zip_longest
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -25,6 +30,19 @@ REPLICA_COUNTERS: dict[str, tuple[Callable[[ReplicaReport], int], str]] = {
     "vllm:prefix_cache_hits": (lambda r: r.prefix_cache_hits, "Prefix-cache block hits."),
     "vllm:num_preemptions": (lambda r: r.num_preemptions, "Preemptions by recompute."),
 }
+# Speculative decoding's counters, vLLM's names; accepted_per_pos is labelled by position.
+SPEC_DECODE_COUNTERS: dict[str, tuple[Callable[[ReplicaReport], int], str]] = {
+    "vllm:spec_decode_num_drafts": (lambda r: r.spec_decode.num_drafts, "Number of spec decoding drafts."),
+    "vllm:spec_decode_num_draft_tokens": (
+        lambda r: r.spec_decode.num_draft_tokens,
+        "Number of draft tokens.",
+    ),
+    "vllm:spec_decode_num_accepted_tokens": (
+        lambda r: r.spec_decode.num_accepted_tokens,
+        "Number of accepted tokens.",
+    ),
+}
+PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -34,6 +52,9 @@ class ServingMetrics:
         self.registry = CollectorRegistry()
         self._snapshot: dict[str, ReplicaReport] = {}
         self._counts: dict[str, dict[str, float]] = {}  # replica -> counter name -> latest
+        self._per_pos: dict[str, list[int]] = {}  # replica -> accepted tokens per draft position
+        # The most tokens a replica has reported proposing per step (0: no speculation yet).
+        self._num_speculative_tokens = 0
         labels = ["model_name"]
         r = self.registry
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed.", labels, registry=r)
@@ -73,6 +94,14 @@ class ServingMetrics:
             counts = self._counts.setdefault(replica_id, {})
             for name, (count, _) in REPLICA_COUNTERS.items():
                 counts[name] = max(counts.get(name, 0), count(report))
+            if report.num_speculative_tokens:
+                self._num_speculative_tokens = max(
+                    self._num_speculative_tokens, report.num_speculative_tokens
+                )
+                for name, (count, _) in SPEC_DECODE_COUNTERS.items():
+                    counts[name] = max(counts.get(name, 0), count(report))
+                kept = zip_longest(self._per_pos.get(replica_id, []), report.spec_decode.accepted_per_pos)
+                self._per_pos[replica_id] = [max(a or 0, b or 0) for a, b in kept]
         return generate_latest(self.registry)
 
     def collect(self):
@@ -95,9 +124,25 @@ class ServingMetrics:
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric([self.model_name], sum(counts[name] for counts in self._counts.values()))
             yield c
+        if self._num_speculative_tokens:
+            yield from self._spec_decode_counters()
         lora = [r for r in reports if r.max_loras]
         if lora:
             yield lora_requests_info(lora)
+
+    def _spec_decode_counters(self):
+        for name, (_, doc) in SPEC_DECODE_COUNTERS.items():
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric([self.model_name], sum(counts.get(name, 0) for counts in self._counts.values()))
+            yield c
+        c = CounterMetricFamily(
+            PER_POS, "Accepted tokens per draft position.", labels=["model_name", "position"]
+        )
+        positions = max(self._num_speculative_tokens, *map(len, self._per_pos.values()))
+        for position in range(positions):
+            total = sum(pos[position] for pos in self._per_pos.values() if position < len(pos))
+            c.add_metric([self.model_name, str(position)], total)
+        yield c
 
     def timer(self, samples: int = 1) -> "RequestTimer":
         return RequestTimer(self, samples)

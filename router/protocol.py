@@ -7,7 +7,7 @@ the front end (router/frontend.py) builds from `sampling_fields()` for HTTP and 
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 TokenId = Annotated[int, Field(ge=0)]
 
@@ -147,6 +147,9 @@ class _SamplingFields(BaseModel):
     # vLLM's: each prompt token's logprob and top-n alternatives, returned as a
     # top-level `prompt_logprobs` list (None first, then token id -> logprob, rank, token).
     prompt_logprobs: int | None = None
+    # With the server's --speculative-config, false opts this request out of speculation.
+    # Strict: a lax bool would read "no" or 0 as false; anything but a boolean is a 400.
+    speculative: StrictBool | None = None
     # Under --scheduling-policy priority, lower values are served first; not a sampling field.
     priority: int | None = None
 
@@ -168,6 +171,7 @@ class _SamplingFields(BaseModel):
                 "ignore_eos",
                 "logit_bias",
                 "stop",
+                "speculative",
             )
             if getattr(self, name) is not None
         }

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, model_validator
 
 from replica.wire import StreamChunk
 from router.frontend import Choices
@@ -74,6 +74,7 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
     user: str | None = None
     parallel_tool_calls: bool | None = None
+    speculative: StrictBool | None = None  # kvserve's, as on /v1/chat/completions: false opts out
     # Refused with a 400 when set: kvserve has no background jobs or server-side
     # conversations or prompt templates, and silently ignoring them would mislead.
     background: bool | None = None
@@ -132,6 +133,7 @@ def prepare(body: ResponsesRequest, store: ResponseStore) -> Turn:
         "tool_choice": _tool_choice(body.tool_choice),
         "parallel_tool_calls": body.parallel_tool_calls,
         "response_format": _response_format(body.text),
+        "speculative": body.speculative,
     }
     try:
         request = ChatCompletionRequest.model_validate(chat)

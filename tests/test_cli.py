@@ -12,6 +12,8 @@ import psutil
 import pytest
 from conftest import HUB_ID
 
+from deployments import cli
+from deployments.cli import main
 from router.protos import kvserve_pb2 as pb
 from router.protos import kvserve_pb2_grpc as pb_grpc
 
@@ -36,6 +38,55 @@ def test_bad_model_is_a_clear_error(tmp_path):
     result = _kvserve("generate", "hi", "--model", str(tmp_path / "missing"))
     assert result.returncode == 2
     assert "not found" in result.stderr
+
+
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 4}'
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("{bad", "speculative_config is not valid JSON"),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 4, "lookahead": 2}',
+            "speculative_config: unknown keys ['lookahead']",
+        ),
+        ('{"method": "medusa", "num_speculative_tokens": 4}', "speculative_config: method must be one of"),
+        ('["ngram"]', "speculative_config must be a JSON object"),
+    ],
+)
+@pytest.mark.parametrize("command", [["serve"], ["batch", "in.jsonl", "out.jsonl"]])
+def test_bad_speculative_config_is_an_argparse_error(command, value, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([*command, "--speculative-config", value])
+    assert exit_info.value.code == 2
+    assert f"argument --speculative-config: {message}" in capsys.readouterr().err
+
+
+def test_speculative_config_reaches_the_batch_engine_args(monkeypatch, tmp_path, capsys):
+    """As a dict, beside the other engine arguments; a combination the engine refuses
+    (speculation with tensor parallelism) stops it before Ray starts."""
+    import ray
+
+    from deployments import batch as batch_job
+
+    given = {}
+
+    def run_batch(input_path, output_path, engine_args, **kwargs):
+        given.update(engine_args)
+        return batch_job.BatchSummary(rows=0, errors=0, skipped=0, generated_tokens=0, seconds=1.0)
+
+    monkeypatch.setattr(cli, "_check_model", lambda args: True)
+    monkeypatch.setattr(batch_job, "run_batch", run_batch)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: None)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    batch = ["batch", str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl")]
+    assert main([*batch, "--speculative-config", NGRAM]) == 0
+    assert given["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 4}
+    given.clear()
+    assert main([*batch, "--speculative-config", NGRAM, "--tensor-parallel-size", "2"]) == 2
+    assert not given
+    assert "speculative_config does not yet work with tensor_parallel_size > 1" in capsys.readouterr().err
 
 
 class _Serve:

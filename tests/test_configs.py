@@ -61,3 +61,34 @@ def test_70b_config_reserves_eight_gpus_on_one_node_per_replica():
 def test_tensor_parallel_replicas_take_one_gpu_per_rank():
     with pytest.raises(ValueError, match="num_gpus_per_replica is per rank"):
         AppConfig(engine_args={"tensor_parallel_size": 2}, num_gpus_per_replica=2)
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+
+
+def test_speculative_config_reaches_the_replicas_as_given():
+    for given in (NGRAM, '{"method": "ngram", "num_speculative_tokens": 4}'):
+        app = build_app(AppConfig(engine_args={"speculative_config": given}))
+        engine_args = app._bound_deployment.init_args[0]._bound_deployment.init_args[0]
+        assert engine_args["speculative_config"] == given
+        assert EngineConfig.from_kwargs(**engine_args).speculative_config.num_speculative_tokens == 4
+
+
+@pytest.mark.parametrize(
+    ("engine_args", "groups", "message"),
+    [
+        ({"speculative_config": "{bad"}, [], "speculative_config is not valid JSON"),
+        ({"speculative_config": {**NGRAM, "n": 2}}, [], r"unknown keys \['n'\]"),
+        ({"speculative_config": {"method": "ngram"}}, [], "needs"),
+        ({"speculative_config": NGRAM, "tensor_parallel_size": 2}, [], "tensor_parallel_size > 1"),
+        # A group's engine_args go over the app's: a tensor-parallel group can't speculate.
+        (
+            {"speculative_config": NGRAM},
+            [{"name": "tp", "engine_args": {"tensor_parallel_size": 2}}],
+            "tensor_parallel_size > 1",
+        ),
+    ],
+)
+def test_bad_speculative_config_stops_the_app_config(engine_args, groups, message):
+    with pytest.raises(ValueError, match=message):
+        AppConfig(engine_args=engine_args, replica_groups=groups)

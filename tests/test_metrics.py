@@ -2,7 +2,11 @@
 dies or is scaled away (Prometheus would read a drop as a counter reset)."""
 
 import re
+from dataclasses import replace
 
+from prometheus_client.parser import text_string_to_metric_families
+
+from replica.spec_decode.stats import SpecDecodeStats
 from replica.wire import ReplicaReport
 from router.metrics import REPLICA_COUNTERS, ServingMetrics
 
@@ -45,3 +49,44 @@ def test_counters_keep_the_counts_of_replicas_that_are_gone():
     assert [later[n] for n in names] == [19, 7, 3]
     # Everything scaled away: the totals stay.
     assert metric_values(metrics.exposition({}).decode()) == later
+
+
+def spec_samples(text: str) -> dict[tuple[str, str | None], float]:
+    """vllm:spec_decode_* samples: (sample name, position label) -> value."""
+    return {
+        (s.name, s.labels.get("position")): s.value
+        for family in text_string_to_metric_families(text)
+        if family.name.startswith("vllm:spec_decode")
+        for s in family.samples
+        if s.name.endswith("_total")
+    }
+
+
+def speculating(drafts: int, draft_tokens: int, per_pos: list[int], k: int = 4) -> ReplicaReport:
+    stats = SpecDecodeStats(drafts, draft_tokens, sum(per_pos), per_pos)
+    return replace(report(0, 0, 0), num_speculative_tokens=k, spec_decode=stats)
+
+
+def test_spec_decode_counters_under_vllm_names_summed_over_replicas():
+    metrics = ServingMetrics("m")
+    # Without speculative_config anywhere: no vllm:spec_decode_* metric at all, as vLLM.
+    assert spec_samples(metrics.exposition({"a": report(1, 0, 0)}).decode()) == {}
+    # Configured but nothing proposed yet: zeros, one per position up to k.
+    text = metrics.exposition({"a": report(1, 0, 0), "b": speculating(0, 0, [], k=3)}).decode()
+    assert spec_samples(text) == {
+        ("vllm:spec_decode_num_drafts_total", None): 0,
+        ("vllm:spec_decode_num_draft_tokens_total", None): 0,
+        ("vllm:spec_decode_num_accepted_tokens_total", None): 0,
+        **{("vllm:spec_decode_num_accepted_tokens_per_pos_total", str(p)): 0 for p in range(3)},
+    }
+    assert 'vllm:spec_decode_num_drafts_total{model_name="m"} 0.0' in text
+    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 0.0' in text
+    reports = {"b": speculating(5, 20, [4, 3, 1]), "c": speculating(2, 8, [2, 2, 2, 1])}
+    samples = spec_samples(metrics.exposition(reports).decode())
+    assert samples[("vllm:spec_decode_num_drafts_total", None)] == 7
+    assert samples[("vllm:spec_decode_num_draft_tokens_total", None)] == 28
+    assert samples[("vllm:spec_decode_num_accepted_tokens_total", None)] == 15
+    per_pos = [samples[("vllm:spec_decode_num_accepted_tokens_per_pos_total", str(p))] for p in range(4)]
+    assert per_pos == [6, 5, 3, 1]
+    # b is gone and c scaled away: the counters keep their counts.
+    assert spec_samples(metrics.exposition({}).decode()) == samples

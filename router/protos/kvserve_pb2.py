@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1brouter/protos/kvserve.proto\x12\x07kvserve\"\xc0\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\t\x88\x01\x01\x12\x0e\n\x01n\x18\x0e \x01(\x05H\n\x88\x01\x01\x12:\n\nlogit_bias\x18\x0f \x03(\x0b\x32&.kvserve.SamplingParams.LogitBiasEntry\x12\x30\n\x0fresponse_format\x18\x10 \x01(\x0b\x32\x17.kvserve.ResponseFormat\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\x05H\x0b\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x04\n\x02_nB\x12\n\x10_prompt_logprobs\"\x93\x01\n\x0eResponseFormat\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x13.kvserve.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x08\n\x06\x66ormat\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xa5\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12-\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x11.kvserve.TokenIdsH\x00\x12\'\n\x06params\x18\x04 \x01(\x0b\x32\x17.kvserve.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x42\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"w\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12%\n\ntool_calls\x18\x03 \x03(\x0b\x32\x11.kvserve.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"\xb2\x01\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12&\n\x08messages\x18\x02 \x03(\x0b\x32\x14.kvserve.ChatMessage\x12\'\n\x06params\x18\x03 \x01(\x0b\x32\x17.kvserve.SamplingParams\x12\x1c\n\x05tools\x18\x04 \x03(\x0b\x32\r.kvserve.Tool\x12\x13\n\x0btool_choice\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x05\",\n\nTopLogprob\x12\r\n\x05token\x18\x01 \x01(\t\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"y\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12)\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x13.kvserve.TopLogprob\x12\x0c\n\x04rank\x18\x05 \x01(\x05\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05\"\xb5\x02\n\x10GenerateResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\'\n\x08logprobs\x18\x06 \x03(\x0b\x32\x15.kvserve.TokenLogprob\x12\x1d\n\x05usage\x18\x07 \x01(\x0b\x32\x0e.kvserve.Usage\x12\r\n\x05index\x18\x08 \x01(\x05\x12%\n\ntool_calls\x18\t \x03(\x0b\x32\x11.kvserve.ToolCall\x12 \n\x07\x63hoices\x18\n \x03(\x0b\x32\x0f.kvserve.Choice\x12.\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32\x15.kvserve.TokenLogprob\"\x9f\x01\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\'\n\x08logprobs\x18\x05 \x03(\x0b\x32\x15.kvserve.TokenLogprob\x12%\n\ntool_calls\x18\x06 \x03(\x0b\x32\x11.kvserve.ToolCall\"\x13\n\x11ListModelsRequest\"%\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08owned_by\x18\x02 \x01(\t\"4\n\x12ListModelsResponse\x12\x1e\n\x06models\x18\x01 \x03(\x0b\x32\x0e.kvserve.Model2\xd0\x02\n\x03LLM\x12?\n\x08Generate\x12\x18.kvserve.GenerateRequest\x1a\x19.kvserve.GenerateResponse\x12G\n\x0eGenerateStream\x12\x18.kvserve.GenerateRequest\x1a\x19.kvserve.GenerateResponse0\x01\x12\x37\n\x04\x43hat\x12\x14.kvserve.ChatRequest\x1a\x19.kvserve.GenerateResponse\x12?\n\nChatStream\x12\x14.kvserve.ChatRequest\x1a\x19.kvserve.GenerateResponse0\x01\x12\x45\n\nListModels\x12\x1a.kvserve.ListModelsRequest\x1a\x1b.kvserve.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1brouter/protos/kvserve.proto\x12\x07kvserve\"\xea\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\t\x88\x01\x01\x12\x0e\n\x01n\x18\x0e \x01(\x05H\n\x88\x01\x01\x12:\n\nlogit_bias\x18\x0f \x03(\x0b\x32&.kvserve.SamplingParams.LogitBiasEntry\x12\x30\n\x0fresponse_format\x18\x10 \x01(\x0b\x32\x17.kvserve.ResponseFormat\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\x05H\x0b\x88\x01\x01\x12\x18\n\x0bspeculative\x18\x12 \x01(\x08H\x0c\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x04\n\x02_nB\x12\n\x10_prompt_logprobsB\x0e\n\x0c_speculative\"\x93\x01\n\x0eResponseFormat\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x13.kvserve.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x08\n\x06\x66ormat\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xa5\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12-\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x11.kvserve.TokenIdsH\x00\x12\'\n\x06params\x18\x04 \x01(\x0b\x32\x17.kvserve.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x42\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"w\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12%\n\ntool_calls\x18\x03 \x03(\x0b\x32\x11.kvserve.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"\xb2\x01\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12&\n\x08messages\x18\x02 \x03(\x0b\x32\x14.kvserve.ChatMessage\x12\'\n\x06params\x18\x03 \x01(\x0b\x32\x17.kvserve.SamplingParams\x12\x1c\n\x05tools\x18\x04 \x03(\x0b\x32\r.kvserve.Tool\x12\x13\n\x0btool_choice\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x05\",\n\nTopLogprob\x12\r\n\x05token\x18\x01 \x01(\t\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"y\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12)\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x13.kvserve.TopLogprob\x12\x0c\n\x04rank\x18\x05 \x01(\x05\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05\"\xb5\x02\n\x10GenerateResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\'\n\x08logprobs\x18\x06 \x03(\x0b\x32\x15.kvserve.TokenLogprob\x12\x1d\n\x05usage\x18\x07 \x01(\x0b\x32\x0e.kvserve.Usage\x12\r\n\x05index\x18\x08 \x01(\x05\x12%\n\ntool_calls\x18\t \x03(\x0b\x32\x11.kvserve.ToolCall\x12 \n\x07\x63hoices\x18\n \x03(\x0b\x32\x0f.kvserve.Choice\x12.\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32\x15.kvserve.TokenLogprob\"\x9f\x01\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\'\n\x08logprobs\x18\x05 \x03(\x0b\x32\x15.kvserve.TokenLogprob\x12%\n\ntool_calls\x18\x06 \x03(\x0b\x32\x11.kvserve.ToolCall\"\x13\n\x11ListModelsRequest\"%\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08owned_by\x18\x02 \x01(\t\"4\n\x12ListModelsResponse\x12\x1e\n\x06models\x18\x01 \x03(\x0b\x32\x0e.kvserve.Model2\xd0\x02\n\x03LLM\x12?\n\x08Generate\x12\x18.kvserve.GenerateRequest\x1a\x19.kvserve.GenerateResponse\x12G\n\x0eGenerateStream\x12\x18.kvserve.GenerateRequest\x1a\x19.kvserve.GenerateResponse0\x01\x12\x37\n\x04\x43hat\x12\x14.kvserve.ChatRequest\x1a\x19.kvserve.GenerateResponse\x12?\n\nChatStream\x12\x14.kvserve.ChatRequest\x1a\x19.kvserve.GenerateResponse0\x01\x12\x45\n\nListModels\x12\x1a.kvserve.ListModelsRequest\x1a\x1b.kvserve.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,41 +34,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=41
-  _globals['_SAMPLINGPARAMS']._serialized_end=745
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=522
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=570
-  _globals['_RESPONSEFORMAT']._serialized_start=748
-  _globals['_RESPONSEFORMAT']._serialized_end=895
-  _globals['_CHOICELIST']._serialized_start=897
-  _globals['_CHOICELIST']._serialized_end=926
-  _globals['_GENERATEREQUEST']._serialized_start=929
-  _globals['_GENERATEREQUEST']._serialized_end=1094
-  _globals['_TOKENIDS']._serialized_start=1096
-  _globals['_TOKENIDS']._serialized_end=1119
-  _globals['_CHATMESSAGE']._serialized_start=1121
-  _globals['_CHATMESSAGE']._serialized_end=1240
-  _globals['_TOOLCALL']._serialized_start=1242
-  _globals['_TOOLCALL']._serialized_end=1297
-  _globals['_TOOL']._serialized_start=1299
-  _globals['_TOOL']._serialized_end=1360
-  _globals['_CHATREQUEST']._serialized_start=1363
-  _globals['_CHATREQUEST']._serialized_end=1541
-  _globals['_TOPLOGPROB']._serialized_start=1543
-  _globals['_TOPLOGPROB']._serialized_end=1587
-  _globals['_TOKENLOGPROB']._serialized_start=1589
-  _globals['_TOKENLOGPROB']._serialized_end=1710
-  _globals['_USAGE']._serialized_start=1712
-  _globals['_USAGE']._serialized_end=1791
-  _globals['_GENERATERESPONSE']._serialized_start=1794
-  _globals['_GENERATERESPONSE']._serialized_end=2103
-  _globals['_CHOICE']._serialized_start=2106
-  _globals['_CHOICE']._serialized_end=2265
-  _globals['_LISTMODELSREQUEST']._serialized_start=2267
-  _globals['_LISTMODELSREQUEST']._serialized_end=2286
-  _globals['_MODEL']._serialized_start=2288
-  _globals['_MODEL']._serialized_end=2325
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2327
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2379
-  _globals['_LLM']._serialized_start=2382
-  _globals['_LLM']._serialized_end=2718
+  _globals['_SAMPLINGPARAMS']._serialized_end=787
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=548
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=596
+  _globals['_RESPONSEFORMAT']._serialized_start=790
+  _globals['_RESPONSEFORMAT']._serialized_end=937
+  _globals['_CHOICELIST']._serialized_start=939
+  _globals['_CHOICELIST']._serialized_end=968
+  _globals['_GENERATEREQUEST']._serialized_start=971
+  _globals['_GENERATEREQUEST']._serialized_end=1136
+  _globals['_TOKENIDS']._serialized_start=1138
+  _globals['_TOKENIDS']._serialized_end=1161
+  _globals['_CHATMESSAGE']._serialized_start=1163
+  _globals['_CHATMESSAGE']._serialized_end=1282
+  _globals['_TOOLCALL']._serialized_start=1284
+  _globals['_TOOLCALL']._serialized_end=1339
+  _globals['_TOOL']._serialized_start=1341
+  _globals['_TOOL']._serialized_end=1402
+  _globals['_CHATREQUEST']._serialized_start=1405
+  _globals['_CHATREQUEST']._serialized_end=1583
+  _globals['_TOPLOGPROB']._serialized_start=1585
+  _globals['_TOPLOGPROB']._serialized_end=1629
+  _globals['_TOKENLOGPROB']._serialized_start=1631
+  _globals['_TOKENLOGPROB']._serialized_end=1752
+  _globals['_USAGE']._serialized_start=1754
+  _globals['_USAGE']._serialized_end=1833
+  _globals['_GENERATERESPONSE']._serialized_start=1836
+  _globals['_GENERATERESPONSE']._serialized_end=2145
+  _globals['_CHOICE']._serialized_start=2148
+  _globals['_CHOICE']._serialized_end=2307
+  _globals['_LISTMODELSREQUEST']._serialized_start=2309
+  _globals['_LISTMODELSREQUEST']._serialized_end=2328
+  _globals['_MODEL']._serialized_start=2330
+  _globals['_MODEL']._serialized_end=2367
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2369
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2421
+  _globals['_LLM']._serialized_start=2424
+  _globals['_LLM']._serialized_end=2760
 # @@protoc_insertion_point(module_scope)
