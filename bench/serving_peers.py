@@ -120,13 +120,36 @@ def process_cpu_s(pid: int) -> float:
     return sum(int(v) for v in fields[11:15]) / os.sysconf("SC_CLK_TCK")
 
 
-def run_system(system: str, model: Path, args) -> dict:
-    command, env = server_command(system, model, args.dtype)
-    log = open(Path(tempfile.gettempdir()) / f"serving_peers_{system}.log", "w")  # noqa: SIM115
+def start_server(command: list[str], env: dict, log_path: Path):
+    """The server started as a user starts it, its output to log_path: (process, log file)."""
+    log = open(log_path, "w")  # noqa: SIM115
     # A session of its own, so that stopping it reaches every process it started.
     proc = subprocess.Popen(
         command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env}, start_new_session=True
     )
+    return proc, log
+
+
+def stop_server(proc: subprocess.Popen, log, ray_stop: bool = True) -> dict:
+    """SIGTERM, then SIGKILL to its session after 120 s: its exit code and seconds to exit.
+    ray_stop: then `ray stop --force`, which ends every Ray on the machine, not only this one's."""
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=120)
+        out = {"exit_code": proc.returncode, "shutdown_s": time.monotonic() - start}
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out = {"exit_code": None, "shutdown_s": None}
+    if ray_stop:
+        subprocess.run([str(ROOT / ".venv/bin/ray"), "stop", "--force"], capture_output=True)
+    log.close()
+    return out
+
+
+def run_system(system: str, model: Path, args) -> dict:
+    command, env = server_command(system, model, args.dtype)
+    proc, log = start_server(command, env, Path(tempfile.gettempdir()) / f"serving_peers_{system}.log")
     out = {"command": " ".join(command), "env": env}
     try:
         out["ready_after_s"] = wait_ready(proc)
@@ -137,16 +160,7 @@ def run_system(system: str, model: Path, args) -> dict:
             out["runs"].append(bench_serve(model, args, concurrency, num_prompts))
             print(system, json.dumps(out["runs"][-1]), flush=True)
     finally:
-        start = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=120)
-            out["exit_code"], out["shutdown_s"] = proc.returncode, time.monotonic() - start
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out["exit_code"], out["shutdown_s"] = None, None
-        subprocess.run([str(ROOT / ".venv/bin/ray"), "stop", "--force"], capture_output=True)
-        log.close()
+        out.update(stop_server(proc, log))
     return out
 
 

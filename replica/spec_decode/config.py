@@ -18,13 +18,15 @@ class SpeculativeConfig:
     # draft_model: a path or hub id of a model with the target's vocabulary.
     model: str | None = None
     # No speculation in a step with more running requests than this: past it a step is
-    # no longer bound by reading the weights, and verifying rejected tokens costs time.
+    # no longer bound by reading the weights, and verifying rejected tokens costs time
+    # (bench/spec_step_cost.py measures where).
     disable_by_batch_size: int = 8
     # A request whose acceptance over its last `acceptance_window` proposed tokens falls
     # below min_acceptance_rate stops speculating for `backoff_steps` steps, then tries again.
-    min_acceptance_rate: float = 0.2
+    # The defaults follow bench/spec_step_cost.py: what verifying costs over a decode step.
+    min_acceptance_rate: float = 0.1
     acceptance_window: int = 32
-    backoff_steps: int = 64
+    backoff_steps: int = 16
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
