@@ -21,9 +21,6 @@ from replica.outputs import TokenLogprob
 from replica.request import Request
 from replica.sampler import SamplingBatch, _filtered_probs
 
-# (logits [1, V] of one position, to edit in place) -> None; called in position order
-EditRow = Callable[[torch.Tensor], None]
-
 
 @dataclass
 class Verified:
