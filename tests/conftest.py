@@ -230,3 +230,23 @@ def replica_actor(app: str):
     namespace, name = coordinator_address(app)
     (replica_id,) = ray.get(ray.get_actor(name, namespace=namespace).snapshot.remote())
     return ray.get_actor(f"SERVE_REPLICA::{app}#LLMServer#{replica_id}", namespace="serve")
+
+
+def save_random_llama(directory, tokenizer, vocab_size: int = 49152, seed: int = 0):
+    """A small seeded random Llama (with the bundled tokenizer when it shares its
+    vocabulary) saved where resolve_model finds it: a draft model that proposes noise."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory

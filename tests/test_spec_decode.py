@@ -5,9 +5,7 @@ max_tokens, logit_bias, grammars, seeds) hold as without speculation; a request 
 out; and proposals that keep failing pause."""
 
 import pytest
-import torch
-from conftest import hf_greedy
-from transformers import AutoModelForCausalLM, LlamaConfig
+from conftest import hf_greedy, save_random_llama
 
 from replica import LLM, SamplingParams
 from replica.sampling_params import StructuredOutputs
@@ -78,20 +76,7 @@ def test_draft_model_that_is_the_target_has_every_token_accepted(model_path, pro
 @pytest.fixture(scope="module")
 def random_draft(tmp_path_factory, tokenizer):
     """An unrelated model with the bundled model's vocabulary: its proposals are noise."""
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-    )
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("random-draft")
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_random_llama(tmp_path_factory.mktemp("random-draft"), tokenizer)
 
 
 def test_random_draft_model_is_almost_always_rejected(model_path, prompt_ids, expected, random_draft):

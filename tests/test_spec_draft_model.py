@@ -4,8 +4,7 @@ seeded sampled proposals are reproducible; draft KV is accounted for exactly."""
 
 import pytest
 import torch
-from conftest import hf_greedy
-from transformers import AutoModelForCausalLM, LlamaConfig
+from conftest import hf_greedy, save_random_llama
 
 from replica.config import EngineConfig
 from replica.request import Request
@@ -21,26 +20,10 @@ BUDGET = 16
 PROMPTS = ["Hi", "The capital of France is", "def fibonacci(n):\n    if n < 2:\n        return n\n"]
 
 
-def _tiny_llama(vocab_size: int) -> LlamaConfig:
-    return LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    )
-
-
 @pytest.fixture(scope="module")
 def random_draft(tmp_path_factory, tokenizer) -> str:
     """A seeded random Llama with the bundled model's vocabulary and tokenizer."""
-    path = tmp_path_factory.mktemp("draft")
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(_tiny_llama(VOCAB)).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
+    return str(save_random_llama(tmp_path_factory.mktemp("draft"), tokenizer))
 
 
 def _proposer(target: str, draft: str, num_blocks: int) -> DraftModelProposer:
@@ -130,8 +113,8 @@ def test_seeded_sampled_proposals_reproducible(model_path, random_draft, tokeniz
         assert (probs[torch.arange(K), torch.tensor(proposal.token_ids)] > 0).all()
 
 
-def test_vocab_mismatch_names_both_sizes(model_path, tmp_path):
-    _tiny_llama(1000).save_pretrained(tmp_path)  # the check reads only the config
+def test_vocab_mismatch_names_both_sizes(model_path, tmp_path, tokenizer):
+    save_random_llama(tmp_path, tokenizer, vocab_size=1000)  # the check reads only the config
     with pytest.raises(ValueError, match=r"1000.*49152"):
         _proposer(str(model_path), str(tmp_path), num_blocks=8)
 
