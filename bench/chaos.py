@@ -155,9 +155,11 @@ def _serving(base_url: str) -> bool:
 
 def _kill(app: str, target: str, replicas: int, base_url: str, recover_s: float, run_started: float) -> Kill:
     """Kill one component, then time how long until it is back."""
-    before = set(snapshot(app))
+    reports = snapshot(app)
+    before = set(reports)
     if target == "replica":
-        victim = random.choice(sorted(before))
+        # The busiest replica: killing an idle one would leave nothing to migrate.
+        victim = max(sorted(before), key=lambda r: (reports[r].num_running, random.random()))
         ray.kill(ray.get_actor(f"SERVE_REPLICA::{app}#LLMServer#{victim}", namespace="serve"))
 
         def back() -> bool:
@@ -226,6 +228,9 @@ def run_chaos(
         ]
         for t in threads:
             t.start()
+        # Kills start once streams flow: before that, a killed replica's requests have
+        # sent nothing and are simply sent again, so a kill would test no migration.
+        _wait(lambda: any(o.status == "ok" for o in outcomes), recover_s)
         started = time.monotonic()
         rounds = max(4, int(duration_s // kill_every_s))
         once = {rounds // 4: "coordinator", rounds // 2: "proxy", 3 * rounds // 4: "ingress"}
