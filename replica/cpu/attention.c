@@ -47,17 +47,24 @@ static inline float softmax_update(const Scratch* w, int i, const float* scores,
     return correction;
 }
 
-/* 16 floats: GCC lowers these to whatever the CPU has (one AVX-512 register, two AVX2
- * registers, four NEON registers), and keeps arrays of them in registers when their
- * length is a compile-time constant. */
-typedef float vec16 __attribute__((vector_size(64), aligned(4)));
+/* One register of floats: 16 with AVX-512, 8 with AVX2, 4 otherwise (SSE, NEON). Arrays of
+ * them stay in registers when their length is a compile-time constant. A vector wider
+ * than the CPU's registers does not: GCC then moves it through the stack on every
+ * operation, which made the AVX2 build's decode attention several times slower. */
+#if defined(__AVX512F__)
 #define VEC 16
+#elif defined(__AVX__)
+#define VEC 8
+#else
+#define VEC 4
+#endif
+typedef float vecf __attribute__((vector_size(VEC * sizeof(float)), aligned(4)));
 
-static inline vec16 vload(const float* p) { return *(const vec16*)p; }
-static inline void vstore(float* p, vec16 x) { *(vec16*)p = x; }
+static inline vecf vload(const float* p) { return *(const vecf*)p; }
+static inline void vstore(float* p, vecf x) { *(vecf*)p = x; }
 
 /* Generic pages. D and BS are compile-time constants in the specialisations below
- * (multiples of 16), so a block's scores and a query's accumulator stay in registers. */
+ * (multiples of 16, so of VEC), so a block's scores and a query's accumulator stay in registers. */
 static inline __attribute__((always_inline)) void attend_impl(const Layer* L, const WorkItem* it,
                                                               const Scratch* w, const int D, const int BS) {
     const int group = L->num_heads / L->num_kv_heads;
@@ -76,15 +83,15 @@ static inline __attribute__((always_inline)) void attend_impl(const Layer* L, co
             if (key0 > pos) continue; /* the whole block lies in this row's future */
             const int n = pos + 1 - key0 < nk ? pos + 1 - key0 : nk;
             const float* restrict q = w->q + (int64_t)i * D;
-            vec16 s[BS / VEC];
-            for (int c = 0; c < BS / VEC; c++) s[c] = (vec16){0};
+            vecf s[BS / VEC];
+            for (int c = 0; c < BS / VEC; c++) s[c] = (vecf){0};
             for (int d = 0; d < D; d++)
                 for (int c = 0; c < BS / VEC; c++) s[c] += q[d] * vload(k + d * BS + c * VEC);
             float scores[BS];
             for (int c = 0; c < BS / VEC; c++) vstore(scores + c * VEC, s[c]);
             const float correction = softmax_update(w, i, scores, n, BS);
             float* restrict acc = w->acc + (int64_t)i * D;
-            vec16 a[D / VEC];
+            vecf a[D / VEC];
             for (int c = 0; c < D / VEC; c++) a[c] = vload(acc + c * VEC) * correction;
             for (int j = 0; j < n; j++)
                 for (int c = 0; c < D / VEC; c++) a[c] += w->p[j] * vload(v + j * D + c * VEC);
