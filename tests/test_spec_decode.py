@@ -9,6 +9,7 @@ from conftest import hf_greedy, save_random_llama
 
 from replica import LLM, SamplingParams
 from replica.sampling_params import StructuredOutputs
+from replica.spec_decode.ngram import propose_ngram
 
 LIST = ", ".join(["apple", "banana", "cherry", "date", "elderberry", "fig", "grape", "honeydew", "kiwi"])
 PROMPTS = [
@@ -153,3 +154,31 @@ def test_a_migrated_request_goes_on_exactly(llm_ngram, prompt_ids, expected):
         ]
     assert tokens == expected[0][8:]
     assert engine.speculator.stats.num_drafts > drafts
+
+
+def test_async_scheduling_runs_in_step_only_while_a_request_has_a_lead(model_path, prompt_ids, expected):
+    """A proposal starts from a request's newest token, so a step that speculates cannot
+    overlap the previous one. Under async scheduling a step runs in step only while the
+    request's known tokens end in an n-gram match; other steps keep the overlap. The
+    output is the same either way."""
+    llm = LLM(str(model_path), dtype="float32", speculative_config=NGRAM, async_scheduling=True)
+    engine = llm.engine
+    in_step = overlapped = 0
+    for ids, want in zip(prompt_ids[:4], expected[:4], strict=True):
+        request_id = engine.add_request(ids, SamplingParams(max_tokens=MAX_NEW, temperature=0))
+        tokens = []
+        while engine.has_unfinished():
+            running = engine.scheduler.running
+            known = [r.token_ids[: r.num_tokens - r.num_pending] for r in running]
+            lead = any(propose_ngram(t, 1, min_n=2, max_n=4) for t in known)
+            for delta in engine.step():
+                assert delta.request_id == request_id
+                tokens += delta.new_token_ids
+            if lead:
+                assert engine._in_flight is None
+                in_step += 1
+            elif engine._in_flight is not None:
+                overlapped += 1
+        assert tokens == want
+    assert in_step > 0 and overlapped > 0, (in_step, overlapped)
+    assert engine.speculator.stats.num_accepted_tokens > 0

@@ -93,7 +93,11 @@ def test_acceptance_pauses_after_a_poor_window_then_resumes():
     for _ in range(4):
         state.record(4, 0, window=16, min_rate=0.5, backoff=3)
     # The last 16 proposed tokens had 3 accepted: under half.
-    assert [state.ready() for _ in range(4)] == [False, False, False, True]
+    ready = []
+    for _ in range(4):
+        ready.append(state.ready())
+        state.tick()
+    assert ready == [False, False, False, True]
 
 
 VOCAB = 12

@@ -13,11 +13,13 @@ class SpeculationState:
     paused_steps: int = 0  # steps left before it proposes again
 
     def ready(self) -> bool:
-        """Whether to propose this step; counts down a pause."""
+        """Whether it may propose this step."""
+        return not self.paused_steps
+
+    def tick(self) -> None:
+        """One step of its pause has passed (called on every step the request runs)."""
         if self.paused_steps:
             self.paused_steps -= 1
-            return False
-        return True
 
     def record(self, proposed: int, accepted: int, window: int, min_rate: float, backoff: int) -> None:
         self.recent.append((proposed, accepted))

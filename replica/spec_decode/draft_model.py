@@ -86,6 +86,10 @@ class DraftModelProposer:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self._held: dict[str, _DraftKV] = {}
 
+    def has_lead(self, request: Request) -> bool:
+        """A draft model proposes after any token."""
+        return True
+
     @torch.inference_mode()
     def propose(self, requests: list[Request], num_tokens: list[int]) -> list[Proposal]:
         """num_tokens[i] draft tokens for requests[i], whose token_ids are all known. A

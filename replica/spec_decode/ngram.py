@@ -46,6 +46,13 @@ class NgramProposer:
             for r, k in zip(requests, num_tokens, strict=True)
         ]
 
+    def has_lead(self, request: Request) -> bool:
+        """Whether its tokens known so far (not those still in flight) end in a match: a
+        proposal made from its newest token is then likely."""
+        known = request.token_ids[: request.num_tokens - request.num_pending]
+        spec = self.spec
+        return bool(propose_ngram(known, 1, spec.prompt_lookup_min, spec.prompt_lookup_max))
+
     def rollback(self, request_id: str, num_valid_tokens: int) -> None:
         pass
 

@@ -39,15 +39,20 @@ class Speculator:
 
     def may_speculate(self) -> bool:
         """Whether this step may speculate: then it runs in step (no async scheduling),
-        since a proposal starts from a request's newest token."""
+        since a proposal starts from a request's newest token. Only while a request that
+        may propose has a lead (proposer.has_lead): text an n-gram lookup cannot predict
+        keeps async scheduling's overlap."""
         running = self.scheduler.running
-        return len(running) <= self.spec.disable_by_batch_size and any(r.params.speculative for r in running)
+        return len(running) <= self.spec.disable_by_batch_size and any(
+            _may_propose(r) and self.proposer.has_lead(r) for r in running
+        )
 
     def propose(self) -> None:
         """Proposals for the running requests that speculate this step. Stale ones (made
         for a step that did not schedule them) are dropped first."""
         running = self.scheduler.running
         for request in running:
+            request.speculation.tick()
             if request.spec_token_ids:
                 request.spec_token_ids, request.spec_probs = [], None
                 self.proposer.rollback(request.request_id, request.num_tokens)
@@ -66,12 +71,9 @@ class Speculator:
                 request.spec_probs = proposal.probs[: len(tokens)]
 
     def _num_to_propose(self, request: Request) -> int:
-        params = request.params
-        if not params.speculative or params.has_penalties or request.num_pending:
+        if not _may_propose(request) or request.num_pending:
             return 0
         if request.num_computed_tokens != request.num_tokens - 1:  # a prefill chunk
-            return 0
-        if not request.speculation.ready():
             return 0
         room = request.max_tokens - request.num_output_tokens - 1  # the last token is the target's
         return max(0, min(self.spec.num_speculative_tokens, room))
@@ -119,6 +121,11 @@ class Speculator:
 
     def use_cores(self, plan: CorePlan) -> None:
         self.proposer.use_cores(plan)
+
+
+def _may_propose(request: Request) -> bool:
+    params = request.params
+    return params.speculative and not params.has_penalties and request.speculation.ready()
 
 
 def proposal_rows(items: list[ScheduledRequest]) -> list[int]:
