@@ -3,6 +3,7 @@ JSON lines, so vLLM never shares a process (or a dependency) with kvserve."""
 
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -44,7 +45,8 @@ class VllmPeer:
             env=env,
             text=True,
         )
-        self.version = self._call({"cmd": "init", "model": str(model), "engine": engine})["version"]
+        init = {"cmd": "init", "model": str(vllm_model(model)), "engine": engine}  # the copy vLLM loads whole
+        self.version = self._call(init)["version"]
 
     def run(self, prompts: list[list[int]], lengths: list[int]) -> float:
         return self._call({"cmd": "run", "prompts": prompts, "lengths": lengths})["seconds"]
@@ -63,3 +65,35 @@ class VllmPeer:
         if not line:
             raise RuntimeError(f"the vLLM peer exited; see {self.log.name}")
         return json.loads(line)
+
+
+def vllm_model(model: Path) -> Path:
+    """A copy of the bundled model that vLLM loads whole. kvserve saves tied weights once, as
+    lm_head.weight (safetensors' save_model; the file's metadata names model.embed_tokens.weight
+    as its alias). vLLM reads no aliases: it loads lm_head.weight, warns that it "has been used
+    instead of tying", and leaves the token embedding unloaded, so every answer is token 0
+    (logits all equal: logprob -log(49152) = -10.80). The copy stores the tensor under
+    model.embed_tokens.weight, which vLLM ties lm_head to. Made once, under ~/.cache."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    out = Path.home() / ".cache" / "kvserve-vllm" / model.name
+    if (out / "model.safetensors").is_file():
+        return out
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    with safe_open(model / "model.safetensors", "pt") as f:
+        aliases = f.metadata() or {}
+        tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - not a dict
+    tied = json.loads((model / "config.json").read_text()).get("tie_word_embeddings", False)
+    for alias, name in aliases.items():
+        if name in tensors and alias not in tensors:
+            # Tied: one tensor under the name vLLM loads. Untied: two tensors, as saved.
+            tensors[alias] = tensors.pop(name) if tied else tensors[name].clone()
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    for path in model.iterdir():
+        if path.name != "model.safetensors":
+            shutil.copy2(path, tmp / path.name)
+    tmp.rename(out)
+    return out

@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from bench.machine import machine  # noqa: E402
+from bench.peers import vllm_model  # noqa: E402
 from replica.model_loader import BUNDLED_NAME, resolve_model  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -48,7 +49,9 @@ def server_command(system: str, model: Path, dtype: str) -> tuple[list[str], dic
     if system == "kvserve":
         command = [str(ROOT / ".venv/bin/kvserve"), "serve", "--dtype", dtype, "--port", str(PORT)]
         return command + ["--grpc-port", str(PORT + 1)], {}
-    command = [str(VLLM_VENV / "bin/vllm"), "serve", str(model), "--served-model-name", BUNDLED_NAME]
+    # vLLM gets its loadable copy of the model (bench/peers.py's vllm_model).
+    command = [str(VLLM_VENV / "bin/vllm"), "serve", str(vllm_model(model))]
+    command += ["--served-model-name", BUNDLED_NAME]
     return command + ["--dtype", dtype, "--port", str(PORT)], VLLM_ENV
 
 

@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 import bench.serving_peers as peers  # noqa: E402
 from bench.machine import machine  # noqa: E402
-from bench.peers import TCMALLOC  # noqa: E402
+from bench.peers import TCMALLOC, vllm_model  # noqa: E402
 from replica.model_loader import BUNDLED_NAME, resolve_model  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -129,47 +129,12 @@ def repeat_prompts(model: Path, count: int, seed: int) -> list[dict]:
     return prompts
 
 
-def vllm_model(model: Path) -> Path:
-    """A copy of the bundled model that vLLM loads whole. kvserve saves tied weights once, as
-    lm_head.weight (safetensors' save_model; the file's metadata names model.embed_tokens.weight
-    as its alias). vLLM reads no aliases: it loads lm_head.weight, warns that it "has been used
-    instead of tying", and leaves the token embedding unloaded, so every answer is token 0
-    (logits all equal: logprob -log(49152) = -10.80). The copy stores the tensor under
-    model.embed_tokens.weight, which vLLM ties lm_head to. Made once, under ~/.cache."""
-    import shutil
-
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    out = Path.home() / ".cache" / "kvserve-vllm" / model.name
-    if (out / "model.safetensors").is_file():
-        return out
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    with safe_open(model / "model.safetensors", "pt") as f:
-        aliases = f.metadata() or {}
-        tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - not a dict
-    tied = json.loads((model / "config.json").read_text()).get("tie_word_embeddings", False)
-    for alias, name in aliases.items():
-        if name in tensors and alias not in tensors:
-            # Tied: one tensor under the name vLLM loads. Untied: two tensors, as saved.
-            tensors[alias] = tensors.pop(name) if tied else tensors[name].clone()
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    for path in model.iterdir():
-        if path.name != "model.safetensors":
-            shutil.copy2(path, tmp / path.name)
-    tmp.rename(out)
-    return out
-
-
 def server_command(system: str, model: Path, dtype: str, preload: bool = False) -> tuple[list[str], dict]:
     """serving_peers's command for the base system, with --speculative-config for -ngram;
-    vLLM gets its loadable copy of the model (vllm_model) and, with `preload`, the tcmalloc
-    and Intel OpenMP preloads its CPU docs ask for (without libiomp5 it warns that
-    speculation "will cause significant performance loss")."""
+    with `preload`, vLLM gets the tcmalloc and Intel OpenMP preloads its CPU docs ask for
+    (without libiomp5 it warns that speculation "will cause significant performance loss")."""
     base = system.removesuffix("-ngram")
-    command, env = peers.server_command(base, vllm_model(model) if base == "vllm" else model, dtype)
+    command, env = peers.server_command(base, model, dtype)
     if base == "vllm" and preload:
         libs = [p for p in (TCMALLOC, peers.VLLM_VENV / "lib" / "libiomp5.so") if p.exists()]
         env = {**env, "LD_PRELOAD": ":".join(str(p) for p in libs)}
@@ -309,7 +274,7 @@ def run_repeat(prompts: list[dict], max_tokens: int, extra: dict | None = None) 
 def run_random(model: Path, args, runs: list[dict]) -> None:
     """vllm bench serve at each concurrency; each run appended to `runs` as it ends."""
     for concurrency in args.concurrency:
-        num_prompts = args.num_prompts or min(max(16, 4 * concurrency), 128)
+        num_prompts = args.num_prompts or min(max(32, 4 * concurrency), 128)
         before = spec_counters()
         run = peers.bench_serve(model, args, concurrency, num_prompts)
         run["spec_decode"] = acceptance(before, spec_counters())  # warm-ups included
@@ -484,7 +449,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="repeat workload's lists")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16], help="random workload")
     parser.add_argument(
-        "--num-prompts", type=int, default=None, help="random: default 4 x concurrency, 16 to 128"
+        "--num-prompts", type=int, default=None, help="random: default 4 x concurrency, 32 to 128"
     )
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)

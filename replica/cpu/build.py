@@ -71,19 +71,27 @@ def compile_kernels(cc: str, sources: list[Path], target: str | Path) -> subproc
     )
 
 
-@functools.cache
-def load_library() -> ctypes.CDLL:
-    """The compiled kernels, building them first if this machine has no copy yet.
-    Raises CpuKernelsUnavailable (with the compiler's message) when that fails."""
+def library_key() -> str:
+    """What the compiled library depends on (sources, flags, compiler, CPU), hashed: its
+    file name, and part of the kernel timings' cache key, since a changed kernel must be
+    timed again. Raises CpuKernelsUnavailable without a compiler."""
     cc = compiler()
     if cc is None:
         raise CpuKernelsUnavailable("no C compiler found (set CC, or install gcc)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(
+    return hashlib.sha256(
         "\0".join(
             [*(f.read_text() for f in SOURCES + HEADERS), " ".join(FLAGS), version, _cpu_signature()]
         ).encode()
     ).hexdigest()[:16]
+
+
+@functools.cache
+def load_library() -> ctypes.CDLL:
+    """The compiled kernels, building them first if this machine has no copy yet.
+    Raises CpuKernelsUnavailable (with the compiler's message) when that fails."""
+    key = library_key()
+    cc = compiler()
     target = cache_root() / "kernels" / f"kvserve_cpu_{key}.so"
     if not target.is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -131,6 +139,10 @@ SIGNATURES = {
     "packed_bf16_weight_elements": ([_i64, _i64], _i64),
     "pack_bf16_weight": ([_p, _p, _i64, _i64], None),
     "gemm_bf16": ([_p, _p, _p, _p, _i64, _i64, _i64, _i32, _i32], None),
+    "f32_gemm_available": ([], _i32),
+    "packed_f32_weight_elements": ([_i64, _i64], _i64),
+    "pack_f32_weight": ([_p, _p, _i64, _i64], None),
+    "gemm_f32": ([_p, _p, _p, _p, _i64, _i64, _i64, _i32], None),
     "decoder_forward": ([_SHAPE, _LAYERS, _STEP, _p, _p, _p, _p, _i64, _p, _p, _i32], None),
     "decoder_scratch_elements": ([_SHAPE, _i64], _i64),
     "kvserve_decoder_layer_size": ([], _size),

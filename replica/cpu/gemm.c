@@ -17,7 +17,7 @@
  * bias), as oneDNN does: on the model's shapes the two agree bit for bit on almost every
  * element. K must be even (every model's hidden sizes are); the caller checks. */
 #include <stdint.h>
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -148,5 +148,86 @@ int bf16_gemm_available(void) { return 0; }
 void gemm_bf16(bf16* y, const bf16* x, const bf16* packed, const bf16* bias, int64_t m, int64_t n, int64_t k,
                int gated, int num_threads) {
     (void)y, (void)x, (void)packed, (void)bias, (void)m, (void)n, (void)k, (void)gated, (void)num_threads;
+}
+#endif
+
+/* fp32 GEMM on CPUs with AVX2 and FMA, for few rows: the same idea as the bf16 kernel
+ * (each weight panel streamed once, in the order it is stored, with the rows' sums in
+ * registers), for fp32 models on CPUs without AVX512-BF16. oneDNN's fp32 kernels read
+ * the weights of a decode step well below memory speed at 1 to 8 rows. Weights are packed
+ * (pack_f32_weight) into panels of 16 output rows, [panel][k][16]: a column of a panel is
+ * two 8-lane vectors. Rows of x go in tiles of up to 6: 12 accumulators, 2 weight vectors
+ * and a broadcast fill the 16 AVX2 registers. Sums run in k order, in fp32. */
+#define F32_PANEL 16
+#define F32_TILE_ROWS 6
+
+int64_t packed_f32_weight_elements(int64_t n, int64_t k) { return (n + F32_PANEL - 1) / F32_PANEL * F32_PANEL * k; }
+
+/* w [n, k] row-major -> [panel][k][F32_PANEL], zero-padded to whole panels. */
+void pack_f32_weight(float* dst, const float* w, int64_t n, int64_t k) {
+    const int64_t panels = (n + F32_PANEL - 1) / F32_PANEL;
+    for (int64_t panel = 0; panel < panels; panel++)
+        for (int64_t c = 0; c < k; c++)
+            for (int64_t i = 0; i < F32_PANEL; i++) {
+                const int64_t row = panel * F32_PANEL + i;
+                dst[(panel * k + c) * F32_PANEL + i] = row < n ? w[row * k + c] : 0.0f;
+            }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+int f32_gemm_available(void) { return 1; }
+
+static inline __attribute__((always_inline)) void f32_tile(float* y, const float* x, const float* panel,
+                                                           const float* bias, int64_t p, int64_t n, int64_t k,
+                                                           int rows) {
+    __m256 acc[F32_TILE_ROWS][2];
+    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+    for (int64_t c = 0; c < k; c++) {
+        const float* w = panel + c * F32_PANEL;
+        _mm_prefetch((const char*)(w + 512), _MM_HINT_T0); /* 2 KiB ahead in the stream */
+        const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
+        for (int r = 0; r < rows; r++) {
+            const __m256 xb = _mm256_broadcast_ss(x + r * k + c);
+            acc[r][0] = _mm256_fmadd_ps(w0, xb, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(w1, xb, acc[r][1]);
+        }
+    }
+    const int64_t col = p * F32_PANEL;
+    float out[F32_PANEL];
+    for (int r = 0; r < rows; r++) {
+        _mm256_storeu_ps(out, acc[r][0]);
+        _mm256_storeu_ps(out + 8, acc[r][1]);
+        for (int i = 0; i < F32_PANEL && col + i < n; i++) y[r * n + col + i] = out[i] + (bias ? bias[col + i] : 0.0f);
+    }
+}
+
+#define F32_TILE_CASE(h) \
+    case h: f32_tile(y + r * n, x + r * k, panel, bias, p, n, k, h); break;
+
+/* y [m, n] = x [m, k] W^T + bias, all contiguous fp32; W packed by pack_f32_weight; bias
+ * [n] or NULL. Each thread owns a share of the panels and streams only those; a panel
+ * stays in its cache while every tile of rows passes over it. */
+void gemm_f32(float* y, const float* x, const float* packed, const float* bias, int64_t m, int64_t n, int64_t k,
+              int num_threads) {
+    if (m <= 0) return;
+    const int64_t panels = (n + F32_PANEL - 1) / F32_PANEL;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t p = 0; p < panels; p++) {
+        const float* panel = packed + p * k * F32_PANEL;
+        for (int64_t r = 0; r < m; r += F32_TILE_ROWS) {
+            switch (m - r < F32_TILE_ROWS ? (int)(m - r) : F32_TILE_ROWS) {
+                F32_TILE_CASE(1) F32_TILE_CASE(2) F32_TILE_CASE(3) F32_TILE_CASE(4) F32_TILE_CASE(5)
+                default: f32_tile(y + r * n, x + r * k, panel, bias, p, n, k, F32_TILE_ROWS);
+            }
+        }
+    }
+}
+#else
+int f32_gemm_available(void) { return 0; }
+
+void gemm_f32(float* y, const float* x, const float* packed, const float* bias, int64_t m, int64_t n, int64_t k,
+              int num_threads) {
+    (void)y, (void)x, (void)packed, (void)bias, (void)m, (void)n, (void)k, (void)num_threads;
 }
 #endif

@@ -6,9 +6,10 @@ model load every distinct linear (shape, dtype, gated or not) is timed with each
 that can run it (linear_kernels.py) at each row bucket a step can produce, and the fastest
 per bucket is kept; fresh prefills are timed through the C attention kernel and through
 SDPA. Timings are cached per machine (machine.py's fingerprint: CPU model, ISA flags,
-threads, torch and oneDNN versions) in ~/.cache/kvserve/kernels/timings_*.json (beside the
-compiled kernels; $KVSERVE_KERNEL_CACHE moves them), so a second start on the same
-machine measures nothing.
+threads, torch and oneDNN versions) and per build of kvserve's kernels, in
+~/.cache/kvserve/kernels/timings_*.json (beside the compiled kernels;
+$KVSERVE_KERNEL_CACHE moves them), so a second start on the same machine measures
+nothing.
 
 `cpu_kernels` forces a choice for A/B runs: "gemm.c" (kvserve's own kernels everywhere
 they can run, the C attention kernel for fresh prefills), "onednn" or "torch" (that
@@ -29,6 +30,7 @@ import torch
 
 from replica.config import CPU_KERNEL_CHOICES
 from replica.cpu import linear_kernels, ops
+from replica.cpu.build import library_key
 from replica.cpu.machine import fingerprint
 from replica.model_loader import cache_root
 
@@ -187,7 +189,7 @@ class KernelChooser:
         if forced not in CPU_KERNEL_CHOICES:
             raise ValueError(f"cpu_kernels must be one of {CPU_KERNEL_CHOICES}, got {forced!r}")
         self.forced, self.max_rows = forced, max_rows
-        self.machine = fingerprint()
+        self.machine = {**fingerprint(), "kernels": library_key()}  # a changed kernel is timed again
         key = hashlib.sha256(json.dumps(self.machine, sort_keys=True).encode()).hexdigest()[:16]
         cache_dir = cache_dir or Path(os.environ.get("KVSERVE_KERNEL_CACHE") or cache_root() / "kernels")
         self.cache_path = cache_dir / f"timings_{key}.json"

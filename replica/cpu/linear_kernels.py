@@ -1,7 +1,8 @@
 """The kernels that can multiply a linear layer on CPU, each with the weight layout it
-reads: gemm.c's own bf16 kernel (AVX512-BF16 CPUs; a gated MLP projection's silu(gate) * up
-fused into its epilogue), oneDNN with the weight reordered once into its blocked layout
-(what inductor's weight freezing does; AMX or AVX512 underneath), and plain F.linear.
+reads: gemm.c's own kernels (bf16 on AVX512-BF16 CPUs, with a gated MLP projection's
+silu(gate) * up fused into its epilogue; fp32 on AVX2 CPUs), oneDNN with the weight
+reordered once into its blocked layout (what inductor's weight freezing does; AMX or
+AVX512 underneath), and plain F.linear.
 Which one runs at which row count is measured on the machine (kernel_choice.py)."""
 
 import torch
@@ -15,6 +16,8 @@ LINEAR_KERNELS = (GEMM_C, ONEDNN, TORCH)
 
 def can_run(kernel: str, dtype: torch.dtype, in_features: int) -> bool:
     if kernel == GEMM_C:
+        if dtype == torch.float32:
+            return ops.f32_gemm_available()
         return dtype == torch.bfloat16 and in_features % 2 == 0 and ops.bf16_gemm_available()
     if kernel == ONEDNN:
         # oneDNN reorders bf16 weights only on CPUs with AVX512 (BW, VL, DQ) or AVX-NE-CONVERT.
@@ -31,8 +34,10 @@ def pack(
     projection's."""
     weight = weight.detach()
     bias = None if bias is None else bias.detach().contiguous()
+    if kernel == GEMM_C and weight.dtype == torch.float32:
+        return ops.pack_f32_weight(weight), bias
     if kernel == GEMM_C:
-        if gated:  # gemm.c's panels pair each 16 gate rows with their up rows
+        if gated:  # gemm.c's bf16 panels pair each 16 gate rows with their up rows
             weight = ops.interleave_gate_up(*weight.chunk(2))
             bias = None if bias is None else ops.interleave_gate_up(*bias.chunk(2))
         return ops.pack_bf16_weight(weight), bias
@@ -51,9 +56,11 @@ def run(
     gated: bool,
 ) -> torch.Tensor:
     """x [rows, in] -> [rows, out_features]; for a gated weight, silu(gate) * up."""
-    if kernel == GEMM_C:
+    if kernel == GEMM_C and x.dtype == torch.float32:
+        y = ops.gemm_f32(x, weight, bias, 2 * out_features if gated else out_features)
+    elif kernel == GEMM_C:
         return ops.gemm_bf16(x, weight, bias, out_features, gated)
-    if kernel == ONEDNN:
+    elif kernel == ONEDNN:
         y = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     else:
         y = F.linear(x, weight, bias)

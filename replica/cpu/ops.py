@@ -103,6 +103,34 @@ def gemm_bf16(
     return out
 
 
+def f32_gemm_available() -> bool:
+    """gemm.c's fp32 kernel needs AVX2 and FMA, and is compiled for this CPU."""
+    return bool(load_library().f32_gemm_available())
+
+
+def pack_f32_weight(weight: torch.Tensor) -> torch.Tensor:
+    """An fp32 [n, k] weight in gemm_f32's panel layout (a flat fp32 tensor)."""
+    if weight.dtype != torch.float32:
+        raise ValueError("gemm_f32 takes an fp32 weight")
+    weight = weight.detach().contiguous()
+    n, k = weight.shape
+    lib = load_library()
+    packed = torch.empty(lib.packed_f32_weight_elements(n, k), dtype=torch.float32)
+    lib.pack_f32_weight(packed.data_ptr(), weight.data_ptr(), n, k)
+    return packed
+
+
+def gemm_f32(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """x [rows, k] fp32 times the weight packed by pack_f32_weight, plus bias: [rows, n]."""
+    x = x.contiguous()
+    rows, k = x.shape
+    out = x.new_empty((rows, n))
+    load_library().gemm_f32(
+        out.data_ptr(), x.data_ptr(), packed.data_ptr(), _ptr(bias), rows, n, k, torch.get_num_threads()
+    )
+    return out
+
+
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """torch.argmax(x, dim=-1) for a 2-D CPU tensor, without widening bf16 first."""
     x = x.contiguous()
