@@ -66,11 +66,17 @@ def pack_bf16_weight(weight: torch.Tensor) -> torch.Tensor:
     """A bf16 [n, k] weight in gemm_bf16's panel layout (a flat bf16 tensor)."""
     if weight.dtype != torch.bfloat16 or weight.shape[1] % 2:
         raise ValueError("gemm_bf16 takes a bf16 weight with an even number of columns")
+    lib = load_library()
+    return _packed(weight, lib.packed_bf16_weight_elements, lib.pack_bf16_weight)
+
+
+def _packed(weight: torch.Tensor, num_elements, pack) -> torch.Tensor:
+    """weight [n, k] in a gemm.c panel layout: num_elements(n, k) is its size, pack the
+    C function that lays it out."""
     weight = weight.detach().contiguous()
     n, k = weight.shape
-    lib = load_library()
-    packed = torch.empty(lib.packed_bf16_weight_elements(n, k), dtype=torch.bfloat16)
-    lib.pack_bf16_weight(packed.data_ptr(), weight.data_ptr(), n, k)
+    packed = torch.empty(num_elements(n, k), dtype=weight.dtype)
+    pack(packed.data_ptr(), weight.data_ptr(), n, k)
     return packed
 
 
@@ -112,12 +118,8 @@ def pack_f32_weight(weight: torch.Tensor) -> torch.Tensor:
     """An fp32 [n, k] weight in gemm_f32's panel layout (a flat fp32 tensor)."""
     if weight.dtype != torch.float32:
         raise ValueError("gemm_f32 takes an fp32 weight")
-    weight = weight.detach().contiguous()
-    n, k = weight.shape
     lib = load_library()
-    packed = torch.empty(lib.packed_f32_weight_elements(n, k), dtype=torch.float32)
-    lib.pack_f32_weight(packed.data_ptr(), weight.data_ptr(), n, k)
-    return packed
+    return _packed(weight, lib.packed_f32_weight_elements, lib.pack_f32_weight)
 
 
 def gemm_f32(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
