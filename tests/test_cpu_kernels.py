@@ -283,6 +283,21 @@ def test_own_bf16_gemm_rounds_like_onednn():
             torch.testing.assert_close(got, expected, atol=1e-3, rtol=2**-7)
 
 
+def test_own_f32_gemm_every_tile_split():
+    """gemm_f32 splits the rows into tiles of equal heights up to 6 (8 rows as 4 + 4): every
+    row count up to three tiles, against F.linear in fp32, on a width that is not whole
+    panels."""
+    if not ops.f32_gemm_available():
+        pytest.skip("gemm.c's fp32 kernel needs AVX2 and FMA")
+    torch.manual_seed(3)
+    weight, bias = torch.randn(37, 96), torch.randn(37)
+    packed = ops.pack_f32_weight(weight)
+    for rows in range(1, 19):
+        x = torch.randn(rows, 96)
+        expected = torch.nn.functional.linear(x, weight, bias)
+        torch.testing.assert_close(ops.gemm_f32(x, packed, bias, 37), expected, atol=1e-4, rtol=1e-5)
+
+
 def test_kernels_refuse_other_dtypes():
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         ops.silu_mul(torch.randn(2, 8, dtype=torch.float16))

@@ -17,6 +17,7 @@
  * bias), as oneDNN does: on the model's shapes the two agree bit for bit on almost every
  * element. K must be even (every model's hidden sizes are); the caller checks. */
 #include <stdint.h>
+#include <stdlib.h>
 #if defined(__AVX512BF16__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
@@ -177,51 +178,74 @@ void pack_f32_weight(float* dst, const float* w, int64_t n, int64_t k) {
 #if defined(__AVX2__) && defined(__FMA__)
 int f32_gemm_available(void) { return 1; }
 
-static inline __attribute__((always_inline)) void f32_tile(float* y, const float* x, const float* panel,
+/* One panel times a tile of `rows` rows of x, read from xt [k][rows] (the tile's rows
+ * interleaved, so one pointer walks them). The sums are named variables, not an array:
+ * GCC kept an array of them in registers and also stored it to the stack on every k,
+ * which made the stores the bottleneck. */
+static inline __attribute__((always_inline)) void f32_tile(float* y, const float* xt, const float* panel,
                                                            const float* bias, int64_t p, int64_t n, int64_t k,
                                                            int rows) {
-    __m256 acc[F32_TILE_ROWS][2];
-    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const __m256 zero = _mm256_setzero_ps();
+    __m256 a00 = zero, a01 = zero, a10 = zero, a11 = zero, a20 = zero, a21 = zero;
+    __m256 a30 = zero, a31 = zero, a40 = zero, a41 = zero, a50 = zero, a51 = zero;
+#define F32_ROW(r)                                                \
+    if (rows > r) {                                               \
+        const __m256 xb = _mm256_broadcast_ss(x + r);             \
+        a##r##0 = _mm256_fmadd_ps(w0, xb, a##r##0);               \
+        a##r##1 = _mm256_fmadd_ps(w1, xb, a##r##1);               \
+    }
 #pragma GCC unroll 4
     for (int64_t c = 0; c < k; c++) {
         const float* w = panel + c * F32_PANEL;
+        const float* x = xt + c * rows;
         _mm_prefetch((const char*)(w + 512), _MM_HINT_T0); /* 2 KiB ahead in the stream */
         const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
-        for (int r = 0; r < rows; r++) {
-            const __m256 xb = _mm256_broadcast_ss(x + r * k + c);
-            acc[r][0] = _mm256_fmadd_ps(w0, xb, acc[r][0]);
-            acc[r][1] = _mm256_fmadd_ps(w1, xb, acc[r][1]);
-        }
+        F32_ROW(0) F32_ROW(1) F32_ROW(2) F32_ROW(3) F32_ROW(4) F32_ROW(5)
     }
+#undef F32_ROW
+    const __m256 sums[F32_TILE_ROWS][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}, {a40, a41}, {a50, a51}};
     const int64_t col = p * F32_PANEL;
     float out[F32_PANEL];
     for (int r = 0; r < rows; r++) {
-        _mm256_storeu_ps(out, acc[r][0]);
-        _mm256_storeu_ps(out + 8, acc[r][1]);
+        _mm256_storeu_ps(out, sums[r][0]);
+        _mm256_storeu_ps(out + 8, sums[r][1]);
         for (int i = 0; i < F32_PANEL && col + i < n; i++) y[r * n + col + i] = out[i] + (bias ? bias[col + i] : 0.0f);
     }
 }
 
 #define F32_TILE_CASE(h) \
-    case h: f32_tile(y + r * n, x + r * k, panel, bias, p, n, k, h); break;
+    case h: f32_tile(y + r * n, xt + r * k, panel, bias, p, n, k, h); break;
 
 /* y [m, n] = x [m, k] W^T + bias, all contiguous fp32; W packed by pack_f32_weight; bias
- * [n] or NULL. Each thread owns a share of the panels and streams only those; a panel
- * stays in its cache while every tile of rows passes over it. */
+ * [n] or NULL. The rows go in tiles of as equal heights as up to 6 allow (8 rows as 4 + 4,
+ * not 6 + 2: a short tile is bound by the FMA latency, not the throughput), each copied
+ * once into xt [k][height]. Each thread owns a share of the panels and streams only
+ * those; a panel stays in its cache while every tile of rows passes over it. */
 void gemm_f32(float* y, const float* x, const float* packed, const float* bias, int64_t m, int64_t n, int64_t k,
               int num_threads) {
     if (m <= 0) return;
-    const int64_t panels = (n + F32_PANEL - 1) / F32_PANEL;
+    const int64_t panels = (n + F32_PANEL - 1) / F32_PANEL, tiles = (m + F32_TILE_ROWS - 1) / F32_TILE_ROWS;
+    float* xt = (float*)malloc(sizeof(float) * (size_t)(m * k));
+    if (!xt) return;
+    for (int64_t t = 0, r = 0; t < tiles; t++) {
+        const int64_t height = (m - r) / (tiles - t) + ((m - r) % (tiles - t) != 0);
+        for (int64_t c = 0; c < k; c++)
+            for (int64_t i = 0; i < height; i++) xt[r * k + c * height + i] = x[(r + i) * k + c];
+        r += height;
+    }
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t p = 0; p < panels; p++) {
         const float* panel = packed + p * k * F32_PANEL;
-        for (int64_t r = 0; r < m; r += F32_TILE_ROWS) {
-            switch (m - r < F32_TILE_ROWS ? (int)(m - r) : F32_TILE_ROWS) {
+        for (int64_t t = 0, r = 0; t < tiles; t++) {
+            const int64_t height = (m - r) / (tiles - t) + ((m - r) % (tiles - t) != 0);
+            switch ((int)height) {
                 F32_TILE_CASE(1) F32_TILE_CASE(2) F32_TILE_CASE(3) F32_TILE_CASE(4) F32_TILE_CASE(5)
-                default: f32_tile(y + r * n, x + r * k, panel, bias, p, n, k, F32_TILE_ROWS);
+                default: f32_tile(y + r * n, xt + r * k, panel, bias, p, n, k, F32_TILE_ROWS);
             }
+            r += height;
         }
     }
+    free(xt);
 }
 #else
 int f32_gemm_available(void) { return 0; }
