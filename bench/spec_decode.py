@@ -2,6 +2,11 @@
 `--speculative-config`, one system at a time in one run on the same machine, the same
 model (the bundled SmolLM2) in the same dtype (float32 unless --dtype says otherwise).
 
+The run goes in --rounds rounds, the systems in turns (ABBA: the order reverses every
+round), each round with its share of the workloads' prompts; a system's figures merge its
+rounds. Machines here drift by 10-15% over minutes, more than the few percent a
+speculation overhead bar is about, and one system measured after another reads the drift.
+
 Each server is started as a user starts it (bench/serving_peers.py), waited for
 (/health), then measured on two workloads:
 
@@ -121,11 +126,11 @@ def repeat_prompts(model: Path, count: int, seed: int) -> list[dict]:
             items.append(f"{len(items) + 1}. {order.pop().capitalize()}")
             tokens = len(tokenizer.encode("\n".join(items)).ids)
         text = "Repeat this list exactly, then add one item:\n" + "\n".join(items)
-        prompts.append({"kind": "list", "list_tokens": tokens, "items": items, "text": text})
+        prompts.append({"index": index, "kind": "list", "list_tokens": tokens, "items": items, "text": text})
     for snippet in CODE_SNIPPETS[: max(0, count - len(prompts))]:
         ask = "Here is a code snippet; rewrite it exactly with variable x renamed to y:"
         text = f"{ask}\n```python\n{snippet}\n```"
-        prompts.append({"kind": "code", "text": text})
+        prompts.append({"index": len(prompts), "kind": "code", "text": text})
     return prompts
 
 
@@ -218,7 +223,12 @@ def acceptance(before: dict | None, after: dict | None) -> dict | None:
     """Drafts, draft tokens and accepted tokens between two counter readings, and rates."""
     if not before or not after:
         return None
-    delta = {k: after[k] - before.get(k, 0.0) for k in after}
+    return with_rates({k: after[k] - before.get(k, 0.0) for k in after})
+
+
+def with_rates(delta: dict) -> dict:
+    """Counter deltas with the acceptance rate and mean acceptance length added."""
+    delta = {k: v for k, v in delta.items() if k.startswith("num_")}
     drafts, drafted = delta.get("num_drafts", 0.0), delta.get("num_draft_tokens", 0.0)
     accepted = delta.get("num_accepted_tokens", 0.0)
     delta["acceptance_rate"] = accepted / drafted if drafted else None
@@ -244,12 +254,17 @@ def run_repeat(prompts: list[dict], max_tokens: int, extra: dict | None = None) 
     requests = []
     start = time.perf_counter()
     for prompt in prompts:
-        requests.append({"kind": prompt["kind"], **stream_chat(prompt["text"], max_tokens, extra)})
+        answer = stream_chat(prompt["text"], max_tokens, extra)
+        requests.append({"prompt": prompt["index"], "kind": prompt["kind"], **answer})
     seconds = time.perf_counter() - start
     for prompt, request in zip(prompts, requests, strict=True):
         text = request.pop("text")
         if prompt["kind"] == "list":
             request["items_echoed"] = items_echoed(prompt["items"], text)
+    return repeat_summary(requests, max_tokens, seconds, acceptance(before, spec_counters()))
+
+
+def repeat_summary(requests: list[dict], max_tokens: int, seconds: float, spec: dict | None) -> dict:
     tpots = [r["tpot_ms"] for r in requests if r["tpot_ms"] is not None]
     echoed = [r["items_echoed"] for r in requests if "items_echoed" in r]
     output_tokens = sum(r["output_tokens"] for r in requests)
@@ -263,7 +278,7 @@ def run_repeat(prompts: list[dict], max_tokens: int, extra: dict | None = None) 
         "mean_output_tokens": output_tokens / len(requests),
         "mean_prompt_tokens": statistics.fmean(r["prompt_tokens"] for r in requests),
         "output_throughput": output_tokens / seconds,
-        "spec_decode": acceptance(before, spec_counters()),
+        "spec_decode": spec,
         # Does the model do the task? Empty answers (special tokens only) mean broken outputs.
         "empty_answers": sum(r["text_head"] == "" for r in requests),
         "mean_items_echoed": statistics.fmean(echoed) if echoed else None,
@@ -271,10 +286,16 @@ def run_repeat(prompts: list[dict], max_tokens: int, extra: dict | None = None) 
     }
 
 
+def random_prompts(args, concurrency: int) -> int:
+    """The random workload's prompts at a concurrency, over all rounds."""
+    return args.num_prompts or min(max(32, 4 * concurrency), 128)
+
+
 def run_random(model: Path, args, runs: list[dict]) -> None:
-    """vllm bench serve at each concurrency; each run appended to `runs` as it ends."""
+    """vllm bench serve at each concurrency, with one round's share of the prompts; each
+    run appended to `runs` as it ends."""
     for concurrency in args.concurrency:
-        num_prompts = args.num_prompts or min(max(32, 4 * concurrency), 128)
+        num_prompts = -(-random_prompts(args, concurrency) // args.rounds)
         before = spec_counters()
         run = peers.bench_serve(model, args, concurrency, num_prompts)
         run["spec_decode"] = acceptance(before, spec_counters())  # warm-ups included
@@ -293,6 +314,7 @@ def log_error(log_path: Path) -> tuple[str | None, list[str]]:
 
 
 def run_system(system: str, model: Path, prompts: list[dict], args) -> dict:
+    """One round of a system: its server started, the workloads' share run, stopped."""
     command, env = server_command(system, model, args.dtype, args.vllm_preload)
     log_path = Path(tempfile.gettempdir()) / f"spec_decode_{system}.log"
     print(f"{system}: {shlex.join(command)}", flush=True)
@@ -347,6 +369,46 @@ def kill_session(session: int) -> int:
         except (OSError, ValueError, IndexError):
             pass
     return killed
+
+
+def merge_rounds(rounds: list[dict]) -> dict:
+    """A system's rounds as one result: the repeat requests in prompt order, and at each
+    random concurrency the tokens over the seconds of all its runs (the medians are the
+    rounds' means); each round's own figures kept under "rounds"."""
+    out = {"command": rounds[0]["command"], "env": rounds[0]["env"], "rounds": rounds}
+    failed = [r for r in rounds if "error" in r]
+    if failed:
+        return {**out, **{k: failed[0][k] for k in ("error", "server_error", "log_tail") if k in failed[0]}}
+    for key in ("repeat", "repeat_opted_out"):
+        if key in rounds[0]:
+            out[key] = _merge_repeats([r[key] for r in rounds])
+    out["random"] = []
+    for runs in zip(*(r["random"] for r in rounds), strict=True):
+        seconds = sum(run["duration"] for run in runs)
+        tokens = sum(run["output_throughput"] * run["duration"] for run in runs)
+        merged = {"concurrency": runs[0]["concurrency"], "duration": seconds}
+        merged["output_throughput"] = tokens / seconds
+        for key in ("num_prompts", "completed", "failed"):
+            merged[key] = sum(run[key] for run in runs)
+        for key in ("median_ttft_ms", "median_tpot_ms", "median_itl_ms"):
+            merged[key] = statistics.fmean(run[key] for run in runs)
+        merged["spec_decode"] = _sum_counters([run["spec_decode"] for run in runs])
+        out["random"].append(merged)
+    return out
+
+
+def _merge_repeats(repeats: list[dict]) -> dict:
+    requests = sorted((q for rep in repeats for q in rep["requests"]), key=lambda q: q["prompt"])
+    seconds = sum(rep["duration_s"] for rep in repeats)
+    spec = _sum_counters([rep["spec_decode"] for rep in repeats])
+    return repeat_summary(requests, repeats[0]["max_tokens"], seconds, spec)
+
+
+def _sum_counters(deltas: list[dict | None]) -> dict | None:
+    if any(d is None for d in deltas):
+        return None
+    keys = {k for d in deltas for k in d if k.startswith("num_")}
+    return with_rates({k: sum(d.get(k, 0.0) for d in deltas) for k in keys})
 
 
 def compare(base: dict, spec: dict) -> dict | None:
@@ -462,11 +524,12 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=PORT, help="the server's (kvserve's gRPC: port + 1)")
     parser.add_argument("--ready-timeout", type=float, default=900)
     parser.add_argument("--out", type=Path, default=None, help="default bench/results/spec_decode_cpu.json")
+    parser.add_argument("--rounds", type=int, default=2, help="the systems in turns, ABBA")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     if args.quick:
         args.repeat_prompts, args.max_tokens = 3, 96
-        args.num_prompts, args.output_len = 8, 16
+        args.num_prompts, args.output_len, args.rounds = 8, 16, 1
     if args.out is None:
         args.out = RESULTS / ("spec_decode_cpu_quick.json" if args.quick else "spec_decode_cpu.json")
     if any(s.startswith("vllm") for s in args.systems) and not (peers.VLLM_VENV / "bin/vllm").exists():
@@ -487,9 +550,11 @@ def main() -> None:
             "repeat": f"{len(prompts)} chat prompts (lists to repeat, code to rewrite), greedy, "
             f"max_tokens {args.max_tokens}, concurrency 1, own streaming client, 1 warm-up",
             "random": f"vllm bench serve, random {args.input_len} in / {args.output_len} out, --ignore-eos, "
-            f"4 warm-ups, concurrency {args.concurrency}",
+            f"4 warm-ups per round, concurrency {args.concurrency}, prompts "
+            f"{[random_prompts(args, c) for c in args.concurrency]} over the rounds",
         },
-        "note": "each figure is from a single run; servers and client share the machine",
+        "note": f"{args.rounds} rounds, the systems in turns (ABBA), each round with its share of "
+        "the prompts; servers and client share the machine",
         "systems": {},
     }
     if any(s.startswith("vllm") for s in args.systems):
@@ -499,11 +564,15 @@ def main() -> None:
             "leaves model.embed_tokens.weight unloaded and answers token 0 every step, so it gets "
             "a copy with the tensor under model.embed_tokens.weight (same weights)",
         }
-    for system in args.systems:
-        result["systems"][system] = run_system(system, model, prompts, args)
+    rounds: dict[str, list[dict]] = {system: [] for system in args.systems}
+    for r in range(args.rounds):
+        for system in args.systems if r % 2 == 0 else args.systems[::-1]:
+            print(f"round {r + 1} of {args.rounds}: ", end="")
+            rounds[system].append(run_system(system, model, prompts[r :: args.rounds], args))
+        result["systems"] = {system: merge_rounds(rounds[system]) for system in args.systems}
         result.update(summarize(result["systems"]))
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2))  # after each system, in case of a crash
+        args.out.write_text(json.dumps(result, indent=2))  # after each round, in case of a crash
     print(json.dumps({k: result[k] for k in result if k not in ("machine", "systems")}, indent=2))
     print(f"wrote {args.out}")
 
