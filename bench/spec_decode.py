@@ -392,7 +392,7 @@ def merge_rounds(rounds: list[dict]) -> dict:
             merged[key] = sum(run[key] for run in runs)
         for key in ("median_ttft_ms", "median_tpot_ms", "median_itl_ms"):
             merged[key] = statistics.fmean(run[key] for run in runs)
-        merged["spec_decode"] = _sum_counters([run["spec_decode"] for run in runs])
+        merged["spec_decode"] = sum_counters([run["spec_decode"] for run in runs])
         out["random"].append(merged)
     return out
 
@@ -400,11 +400,11 @@ def merge_rounds(rounds: list[dict]) -> dict:
 def _merge_repeats(repeats: list[dict]) -> dict:
     requests = sorted((q for rep in repeats for q in rep["requests"]), key=lambda q: q["prompt"])
     seconds = sum(rep["duration_s"] for rep in repeats)
-    spec = _sum_counters([rep["spec_decode"] for rep in repeats])
+    spec = sum_counters([rep["spec_decode"] for rep in repeats])
     return repeat_summary(requests, repeats[0]["max_tokens"], seconds, spec)
 
 
-def _sum_counters(deltas: list[dict | None]) -> dict | None:
+def sum_counters(deltas: list[dict | None]) -> dict | None:
     if any(d is None for d in deltas):
         return None
     keys = {k for d in deltas for k in d if k.startswith("num_")}

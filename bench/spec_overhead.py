@@ -1,0 +1,160 @@
+"""What n-gram speculation costs on text it cannot predict, measured on one server so
+that the machine's drift cancels: `kvserve serve --speculative-config` (ngram), loaded
+with random-token prompts in waves that alternate between speculating requests and
+requests that opt out (`"speculative": false`), in ABBA order, each pair of waves on the
+same prompts.
+
+bench/spec_decode.py compares separate servers, one after the other; on a machine whose
+speed drifts by 10-15% over minutes, that reads the drift as well as any overhead. Here
+both halves run on the same server in alternating waves of a few seconds, so what
+differs between them is speculation itself: proposals made and verified (rarely, on
+random text), and the per-step checks for a lead.
+
+A wave is `--wave-requests` prompts (random token ids, --input-len of them), at most
+`concurrency` in flight, --output-len tokens each with EOS ignored and the server's
+default sampling (as `vllm bench serve --dataset-name random --ignore-eos` sends them:
+greedy, the 135M model falls into loops on random prompts that n-grams then predict);
+its throughput is the output tokens over the seconds from its first request to its last
+answer.
+
+    python bench/spec_overhead.py    # bench/results/spec_overhead_cpu.json
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import bench.serving_peers as peers  # noqa: E402
+import bench.spec_decode as spec_decode  # noqa: E402
+from bench.machine import machine  # noqa: E402
+from replica.model_loader import BUNDLED_NAME, resolve_model  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+ON, OFF = "speculative", "opted_out"
+
+
+async def wave(prompts: list[list[int]], concurrency: int, output_len: int, speculative: bool) -> dict:
+    """The prompts at most `concurrency` at a time: output tokens and seconds."""
+    limit = asyncio.Semaphore(concurrency)
+
+    async def one(client: httpx.AsyncClient, prompt: list[int]) -> int:
+        body = {
+            "model": BUNDLED_NAME, "prompt": prompt, "max_tokens": output_len, "ignore_eos": True,
+            "speculative": speculative,
+        }  # fmt: skip
+        async with limit:
+            response = await client.post(f"http://127.0.0.1:{peers.PORT}/v1/completions", json=body)
+        response.raise_for_status()
+        return response.json()["usage"]["completion_tokens"]
+
+    async with httpx.AsyncClient(timeout=600) as client:
+        start = time.perf_counter()
+        tokens = await asyncio.gather(*(one(client, p) for p in prompts))
+        seconds = time.perf_counter() - start
+    return {"tokens": sum(tokens), "seconds": seconds, "output_throughput": sum(tokens) / seconds}
+
+
+def measure(concurrency: int, args, rng: random.Random, vocab: int) -> dict:
+    """--waves pairs of waves, ABBA; each pair on the same fresh prompts."""
+    per_wave = max(args.wave_requests, concurrency)
+
+    def prompts() -> list[list[int]]:
+        return [[rng.randrange(vocab) for _ in range(args.input_len)] for _ in range(per_wave)]
+
+    warm = prompts()
+    for speculative in (True, False):  # one untimed wave of each
+        asyncio.run(wave(warm, concurrency, args.output_len, speculative))
+    waves: dict[str, list[dict]] = {ON: [], OFF: []}
+    pair_ratios = []
+    for i in range(args.waves):
+        batch = prompts()
+        order = (ON, OFF) if i % 2 == 0 else (OFF, ON)
+        for mode in order:
+            before = spec_decode.spec_counters()
+            result = asyncio.run(wave(batch, concurrency, args.output_len, mode == ON))
+            result["spec_decode"] = spec_decode.acceptance(before, spec_decode.spec_counters())
+            waves[mode].append(result)
+        pair_ratios.append(waves[ON][-1]["output_throughput"] / waves[OFF][-1]["output_throughput"])
+    totals = {
+        mode: sum(w["tokens"] for w in runs) / sum(w["seconds"] for w in runs) for mode, runs in waves.items()
+    }
+    out = {
+        "concurrency": concurrency,
+        "requests_per_wave": per_wave,
+        "output_throughput": totals,
+        "speculative_over_opted_out": totals[ON] / totals[OFF],
+        "pair_ratios": pair_ratios,
+        "median_pair_ratio": statistics.median(pair_ratios),
+        "proposals": spec_decode.sum_counters([w["spec_decode"] for w in waves[ON]]),
+        "proposals_opted_out": spec_decode.sum_counters([w["spec_decode"] for w in waves[OFF]]),
+        "waves": waves,
+    }
+    print(
+        f"c{concurrency}: speculative {totals[ON]:.1f} tok/s, opted out {totals[OFF]:.1f} tok/s, "
+        f"ratio {out['speculative_over_opted_out']:.3f} (per pair {min(pair_ratios):.2f}-"
+        f"{max(pair_ratios):.2f}, median {out['median_pair_ratio']:.3f}), proposals {out['proposals']}",
+        flush=True,
+    )
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--waves", type=int, default=8, help="pairs of waves per concurrency")
+    parser.add_argument("--wave-requests", type=int, default=4, help="at least the concurrency")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--port", type=int, default=peers.PORT)
+    parser.add_argument("--out", type=Path, default=RESULTS / "spec_overhead_cpu.json")
+    args = parser.parse_args()
+    peers.PORT = spec_decode.PORT = args.port
+    model = resolve_model(None)
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    command, env = spec_decode.server_command("kvserve-ngram", model, args.dtype)
+    result = {
+        "benchmark": "spec_overhead",
+        "machine": machine(platform=platform.platform(), load_average=os.getloadavg()),
+        "dtype": args.dtype,
+        "model": BUNDLED_NAME,
+        "speculative_config": spec_decode.SPECULATIVE,
+        "command": " ".join(command),
+        "workload": f"waves of max({args.wave_requests}, concurrency) random-token prompts, "
+        f"{args.input_len} in / {args.output_len} out, default sampling, EOS ignored; {args.waves} pairs of "
+        "waves per concurrency, speculating and opted out in ABBA order, each pair on the same "
+        "prompts, after one untimed wave of each",
+        "runs": [],
+    }
+    proc, log = peers.start_server(command, env, Path("/tmp/spec_overhead_kvserve.log"))
+    try:
+        result["ready_after_s"] = peers.wait_ready(proc)
+        rng = random.Random(args.seed)
+        for concurrency in args.concurrency:
+            result["runs"].append(measure(concurrency, args, rng, vocab))
+    finally:
+        result.update(peers.stop_server(proc, log, ray_stop=False))
+        result["leftover_processes_killed"] = spec_decode.kill_session(proc.pid)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
