@@ -12,8 +12,9 @@ random text), and the per-step checks for a lead.
 
 A wave is `--wave-requests` prompts (random token ids, --input-len of them), at most
 `concurrency` in flight, --output-len tokens each with EOS ignored and the server's
-default sampling (as `vllm bench serve --dataset-name random --ignore-eos` sends them:
-greedy, the 135M model falls into loops on random prompts that n-grams then predict);
+default sampling, as `vllm bench serve --dataset-name random --ignore-eos` sends them
+(with greedy sampling the 135M model falls into loops on random prompts, which n-grams
+then predict);
 its throughput is the output tokens over the seconds from its first request to its last
 answer.
 
