@@ -216,6 +216,10 @@ static inline __attribute__((always_inline)) void f32_tile(float* y, const float
 #define F32_TILE_CASE(h) \
     case h: f32_tile(y + r * n, xt + r * k, panel, bias, p, n, k, h); break;
 
+/* The height of the next tile when `rows` rows are left for `tiles` tiles: as equal as
+ * they can be, the taller ones first. */
+static inline int64_t f32_tile_height(int64_t rows, int64_t tiles) { return (rows + tiles - 1) / tiles; }
+
 /* y [m, n] = x [m, k] W^T + bias, all contiguous fp32; W packed by pack_f32_weight; bias
  * [n] or NULL. The rows go in tiles of as equal heights as up to 6 allow (8 rows as 4 + 4,
  * not 6 + 2: a short tile is bound by the FMA latency, not the throughput), each copied
@@ -228,7 +232,7 @@ void gemm_f32(float* y, const float* x, const float* packed, const float* bias, 
     float* xt = (float*)malloc(sizeof(float) * (size_t)(m * k));
     if (!xt) return;
     for (int64_t t = 0, r = 0; t < tiles; t++) {
-        const int64_t height = (m - r) / (tiles - t) + ((m - r) % (tiles - t) != 0);
+        const int64_t height = f32_tile_height(m - r, tiles - t);
         for (int64_t c = 0; c < k; c++)
             for (int64_t i = 0; i < height; i++) xt[r * k + c * height + i] = x[(r + i) * k + c];
         r += height;
@@ -237,7 +241,7 @@ void gemm_f32(float* y, const float* x, const float* packed, const float* bias, 
     for (int64_t p = 0; p < panels; p++) {
         const float* panel = packed + p * k * F32_PANEL;
         for (int64_t t = 0, r = 0; t < tiles; t++) {
-            const int64_t height = (m - r) / (tiles - t) + ((m - r) % (tiles - t) != 0);
+            const int64_t height = f32_tile_height(m - r, tiles - t);
             switch ((int)height) {
                 F32_TILE_CASE(1) F32_TILE_CASE(2) F32_TILE_CASE(3) F32_TILE_CASE(4) F32_TILE_CASE(5)
                 default: f32_tile(y + r * n, xt + r * k, panel, bias, p, n, k, F32_TILE_ROWS);
