@@ -14,9 +14,8 @@ A wave is `--wave-requests` prompts (random token ids, --input-len of them), at 
 `concurrency` in flight, --output-len tokens each with EOS ignored and the server's
 default sampling, as `vllm bench serve --dataset-name random --ignore-eos` sends them
 (with greedy sampling the 135M model falls into loops on random prompts, which n-grams
-then predict);
-its throughput is the output tokens over the seconds from its first request to its last
-answer.
+then predict); its throughput is the output tokens over the seconds from its first
+request to its last answer.
 
     python bench/spec_overhead.py    # bench/results/spec_overhead_cpu.json
 """
