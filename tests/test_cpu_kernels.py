@@ -298,6 +298,21 @@ def test_own_f32_gemm_every_tile_split():
         torch.testing.assert_close(ops.gemm_f32(x, packed, bias, 37), expected, atol=1e-4, rtol=1e-5)
 
 
+def test_own_f32_gemm_row_blocks():
+    """Rows beyond one block of x (F32_BLOCK_BYTES, 384 KiB: 16 tiles of 6 rows at
+    k = 1024) go in several blocks, the last one partial and with tiles of 5 and 6 rows,
+    and every row gets its result."""
+    if not ops.f32_gemm_available():
+        pytest.skip("gemm.c's fp32 kernel needs AVX2 and FMA")
+    torch.manual_seed(4)
+    weight, bias = torch.randn(40, 1024), torch.randn(40)
+    packed = ops.pack_f32_weight(weight)
+    for rows in (96, 97, 250):
+        x = torch.randn(rows, 1024)
+        expected = torch.nn.functional.linear(x, weight, bias)
+        torch.testing.assert_close(ops.gemm_f32(x, packed, bias, 40), expected, atol=1e-3, rtol=1e-5)
+
+
 def test_kernels_refuse_other_dtypes():
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         ops.silu_mul(torch.randn(2, 8, dtype=torch.float16))

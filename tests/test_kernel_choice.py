@@ -23,31 +23,44 @@ pytestmark = pytest.mark.skipif(
 RUNNABLE_FP32 = [k for k in linear_kernels.LINEAR_KERNELS if linear_kernels.can_run(k, torch.float32, 64)]
 
 
-def test_fastest_kernel_per_bucket():
+def test_fastest_kernel_per_row_count():
     buckets = (1, 8, 32, 128, 512)
     seconds = {
-        "gemm.c": [1.0, 2.0, 5.0, 9.0, 9.5],
-        "onednn": [2.0, 3.0, 4.0, 8.0, 10.0],
-        "torch": [3.0, 1.5, 6.0, 10.0, 9.2],
+        "gemm.c": [1.0, 1.0, 6.0, 20.0, 80.0],
+        "onednn": [2.0, 2.0, 4.0, 10.0, 40.0],
+        "torch": [3.0, 3.0, 5.0, 9.5, 38.0],
     }
     choice = fastest(buckets, seconds)
-    # At 512 rows torch is fastest, but by less than the margin: oneDNN keeps it.
-    assert choice.kernels == ("gemm.c", "torch", "onednn", "onednn", "onednn")
-    assert [choice.kernel_for(r) for r in (1, 2, 8, 9, 32, 33, 128, 129, 4096)] == [
-        "gemm.c", "torch", "torch", "onednn", "onednn", "onednn", "onednn", "onednn", "onednn",
+    # From 8 to 32 rows gemm.c takes 1 + 5 e and oneDNN 2 + 2 e (e = (rows - 8) / 24):
+    # gemm.c is faster up to 15 rows, and by more than the margin up to 14. From 128 rows
+    # on torch is the fastest, but by less than the margin: oneDNN keeps those rows.
+    assert choice.bounds == (14, 512) and choice.kernels == ("gemm.c", "onednn")
+    assert [choice.kernel_for(r) for r in (1, 8, 14, 15, 128, 512, 4096)] == [
+        "gemm.c", "gemm.c", "gemm.c", "onednn", "onednn", "onednn", "onednn",
     ]  # fmt: skip
-    assert choice.describe() == "gemm.c at <=1 rows, torch at <=8 rows, onednn above"
-    assert choice.used() == {"gemm.c", "torch", "onednn"}
+    assert choice.describe() == "gemm.c at <=14 rows, onednn above"
+    assert choice.used() == {"gemm.c", "onednn"}
     assert LinearChoice.forced("onednn").describe() == "onednn"
     # Without oneDNN (no bf16 reorder on this CPU), the first kernel listed is the default.
     assert fastest((1,), {"gemm.c": [1.0], "torch": [1.05]}).kernels == ("gemm.c",)
     assert fastest((1,), {"gemm.c": [1.0], "torch": [0.5]}).kernels == ("torch",)
 
 
+def test_choice_between_buckets_follows_the_interpolated_times():
+    """A kernel that wins well below a bucket but loses at it runs where it wins: the
+    choice is not the upper bucket's winner for every row count under it."""
+    seconds = {"gemm.c": [1.0, 4.0, 10.0], "onednn": [2.0, 5.0, 8.0]}
+    choice = fastest((1, 32, 128), seconds)
+    # gemm.c: 4 + 6 (r - 32) / 96, oneDNN: 5 + 3 (r - 32) / 96; 1.1 gemm.c < oneDNN up to r = 47.
+    assert choice.bounds == (47, 128) and choice.kernels == ("gemm.c", "onednn")
+    assert kernel_choice.interpolated((1, 32, 128), seconds["gemm.c"], 80) == 7.0
+    assert kernel_choice.interpolated((1, 32, 128), seconds["gemm.c"], 4096) == 10.0
+
+
 def test_buckets_cover_the_largest_step():
     assert buckets_up_to(1) == (1,)
-    assert buckets_up_to(96) == (1, 8, 32, 128)
-    assert buckets_up_to(128) == (1, 8, 32, 128)
+    assert buckets_up_to(96) == (1, 8, 32, 64, 128)
+    assert buckets_up_to(128) == (1, 8, 32, 64, 128)
     assert buckets_up_to(100_000) == kernel_choice.ROW_BUCKETS
 
 
@@ -69,14 +82,13 @@ def test_injected_timings_decide_dispatch_and_layouts(monkeypatch, tmp_path):
     linear keeps exactly those two layouts and runs each at its rows, with the right
     result."""
     small, large = RUNNABLE_FP32[:2]
-    others = {k: [9.0] * 6 for k in RUNNABLE_FP32[2:]}
-    _scripted(
-        monkeypatch, {small: [1.0, 1.0, 5.0, 5.0, 5.0, 5.0], large: [2.0, 2.0, 2.0, 2.0, 2.0, 2.0], **others}
-    )
+    others = {k: [9.0] * 7 for k in RUNNABLE_FP32[2:]}
+    _scripted(monkeypatch, {small: [1.0, 1.0, 5.0, 5.0, 5.0, 5.0, 5.0], large: [2.0] * 7, **others})
     chooser = KernelChooser(max_rows=512, cache_dir=tmp_path)
     linear = torch.nn.Linear(64, 48)
     packed = PackedLinear.of(linear, chooser)
-    assert packed.choice.buckets == (1, 8, 32, 128, 512)
+    # small: 1 + 4 (r - 8) / 24 from 8 to 32 rows, under 2 / 1.1 up to 12 rows.
+    assert packed.choice.bounds == (12, 512)
     assert set(packed.layouts) == {small, large}
 
     ran = []
@@ -87,15 +99,15 @@ def test_injected_timings_decide_dispatch_and_layouts(monkeypatch, tmp_path):
         return real_run(kernel, *args)
 
     monkeypatch.setattr(linear_kernels, "run", spy)
-    for rows in (1, 8, 9, 700):
+    for rows in (1, 12, 13, 700):
         x = torch.randn(rows, 64)
         torch.testing.assert_close(packed(x), linear(x), atol=2e-5, rtol=2e-5)
     assert ran == [small, small, large, large]
-    assert f"{small} at <=8 rows, {large} above" in chooser.describe()
+    assert f"{small} at <=12 rows, {large} above" in chooser.describe()
 
 
 def test_timings_are_cached_per_machine(monkeypatch, tmp_path):
-    calls = _scripted(monkeypatch, {k: [1.0 + i] * 6 for i, k in enumerate(linear_kernels.LINEAR_KERNELS)})
+    calls = _scripted(monkeypatch, {k: [1.0 + i] * 8 for i, k in enumerate(linear_kernels.LINEAR_KERNELS)})
     shape = LinearShape(48, 64, torch.float32)
     first = KernelChooser(max_rows=32, cache_dir=tmp_path)
     chosen = first.linear(shape)
@@ -109,8 +121,8 @@ def test_timings_are_cached_per_machine(monkeypatch, tmp_path):
     assert second.linear(shape) == chosen
     assert len(calls) == len(RUNNABLE_FP32)  # nothing measured again
     assert second.describe().startswith("cpu kernels (cached)")
-    assert second.linear(shape, max_rows=512).buckets == (1, 8, 32, 128, 512)  # new buckets: measured
-    assert len(calls) == 2 * len(RUNNABLE_FP32)
+    second.linear(shape, max_rows=512)  # new buckets: measured
+    assert len(calls) == 2 * len(RUNNABLE_FP32) and calls[-1][2] == (1, 8, 32, 64, 128, 256, 512)
 
     # Another machine (here: another thread count) has its own timings.
     fingerprint = kernel_choice.fingerprint()
@@ -124,7 +136,7 @@ def test_timings_are_cached_per_machine(monkeypatch, tmp_path):
 def test_real_timings_choose_a_runnable_kernel(tmp_path):
     chooser = KernelChooser(max_rows=8, cache_dir=tmp_path)
     choice = chooser.linear(LinearShape(96, 64, torch.float32, gated=True))
-    assert choice.buckets == (1, 8) and choice.used() <= set(RUNNABLE_FP32)
+    assert choice.bounds[-1] == 8 and choice.used() <= set(RUNNABLE_FP32)
     by_sdpa = chooser.fresh_prefills_by_sdpa(4, 2, 16, 16, torch.float32)
     assert chooser.describe().endswith(f"fresh prefill attention: {'sdpa' if by_sdpa else 'c kernel'}")
     timings = chooser.timings["fresh prefill float32 4/2x16 block 16"]

@@ -216,37 +216,47 @@ static inline __attribute__((always_inline)) void f32_tile(float* y, const float
 #define F32_TILE_CASE(h) \
     case h: f32_tile(y + r * n, xt + r * k, panel, bias, p, n, k, h); break;
 
-/* The height of the next tile when `rows` rows are left for `tiles` tiles: as equal as
- * they can be, the taller ones first. */
-static inline int64_t f32_tile_height(int64_t rows, int64_t tiles) { return (rows + tiles - 1) / tiles; }
+#define F32_BLOCK_BYTES (384 << 10) /* of x per row block: stays in L2, with a panel, while the panels pass */
 
 /* y [m, n] = x [m, k] W^T + bias, all contiguous fp32; W packed by pack_f32_weight; bias
  * [n] or NULL. The rows go in tiles of as equal heights as up to 6 allow (8 rows as 4 + 4,
- * not 6 + 2: a short tile is bound by the FMA latency, not the throughput), each copied
- * once into xt [k][height]. Each thread owns a share of the panels and streams only
- * those; a panel stays in its cache while every tile of rows passes over it. */
+ * not 6 + 2: a short tile is bound by the FMA latency, not the throughput): tile t has
+ * q + 1 rows if t < rem, else q. Each tile is copied once into xt [k][height], the tiles
+ * shared out between the threads. Then the tiles go in row blocks of about
+ * F32_BLOCK_BYTES of x, and within a block each thread streams its share of the panels
+ * past the block's tiles: the block stays in the thread's L2 and each panel in L1, where
+ * one pass of every panel over all the rows would read x from L3 once per panel. */
 void gemm_f32(float* y, const float* x, const float* packed, const float* bias, int64_t m, int64_t n, int64_t k,
               int num_threads) {
     if (m <= 0) return;
     const int64_t panels = (n + F32_PANEL - 1) / F32_PANEL, tiles = (m + F32_TILE_ROWS - 1) / F32_TILE_ROWS;
+    const int64_t q = m / tiles, rem = m % tiles;
+    int64_t block_tiles = F32_BLOCK_BYTES / ((int64_t)sizeof(float) * F32_TILE_ROWS * k);
+    if (block_tiles < 1) block_tiles = 1;
     float* xt = (float*)malloc(sizeof(float) * (size_t)(m * k));
     if (!xt) return;
-    for (int64_t t = 0, r = 0; t < tiles; t++) {
-        const int64_t height = f32_tile_height(m - r, tiles - t);
-        for (int64_t c = 0; c < k; c++)
-            for (int64_t i = 0; i < height; i++) xt[r * k + c * height + i] = x[(r + i) * k + c];
-        r += height;
-    }
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t p = 0; p < panels; p++) {
-        const float* panel = packed + p * k * F32_PANEL;
-        for (int64_t t = 0, r = 0; t < tiles; t++) {
-            const int64_t height = f32_tile_height(m - r, tiles - t);
-            switch ((int)height) {
-                F32_TILE_CASE(1) F32_TILE_CASE(2) F32_TILE_CASE(3) F32_TILE_CASE(4) F32_TILE_CASE(5)
-                default: f32_tile(y + r * n, xt + r * k, panel, bias, p, n, k, F32_TILE_ROWS);
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            const int64_t r = t * q + (t < rem ? t : rem), height = q + (t < rem);
+            for (int64_t c = 0; c < k; c++)
+                for (int64_t i = 0; i < height; i++) xt[r * k + c * height + i] = x[(r + i) * k + c];
+        }
+        for (int64_t first = 0; first < tiles; first += block_tiles) {
+            const int64_t last = first + block_tiles < tiles ? first + block_tiles : tiles;
+            /* nowait: blocks write disjoint rows of y, so a thread goes on to the next one */
+#pragma omp for schedule(static) nowait
+            for (int64_t p = 0; p < panels; p++) {
+                const float* panel = packed + p * k * F32_PANEL;
+                for (int64_t t = first; t < last; t++) {
+                    const int64_t r = t * q + (t < rem ? t : rem);
+                    switch ((int)(q + (t < rem))) {
+                        F32_TILE_CASE(1) F32_TILE_CASE(2) F32_TILE_CASE(3) F32_TILE_CASE(4) F32_TILE_CASE(5)
+                        default: f32_tile(y + r * n, xt + r * k, panel, bias, p, n, k, F32_TILE_ROWS);
+                    }
+                }
             }
-            r += height;
         }
     }
     free(xt);

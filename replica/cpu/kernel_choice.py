@@ -3,13 +3,13 @@
 A CPU flag does not predict the winner: gemm.c's AVX512-BF16 kernel and oneDNN trade
 places between CPUs, and on CPUs with AMX oneDNN's matrix units win by a wide margin. So at
 model load every distinct linear (shape, dtype, gated or not) is timed with each kernel
-that can run it (linear_kernels.py) at each row bucket a step can produce, and the fastest
-per bucket is kept; fresh prefills are timed through the C attention kernel and through
-SDPA. Timings are cached per machine (machine.py's fingerprint: CPU model, ISA flags,
-threads, torch and oneDNN versions) and per build of kvserve's kernels, in
-~/.cache/kvserve/kernels/timings_*.json (beside the compiled kernels;
-$KVSERVE_KERNEL_CACHE moves them), so a second start on the same machine measures
-nothing.
+that can run it (linear_kernels.py) at row buckets spanning the steps' row counts, and the
+fastest at each row count (interpolated between buckets) is kept; fresh prefills are
+timed through the C attention kernel and through SDPA. Timings are cached per machine
+(machine.py's fingerprint: CPU model, ISA flags, threads, torch and oneDNN versions) and
+per build of kvserve's kernels, in ~/.cache/kvserve/kernels/timings_*.json (beside the
+compiled kernels; $KVSERVE_KERNEL_CACHE moves them), so a second start on the same
+machine measures nothing.
 
 `cpu_kernels` forces a choice for A/B runs: "gemm.c" (kvserve's own kernels everywhere
 they can run, the C attention kernel for fresh prefills), "onednn" or "torch" (that
@@ -37,7 +37,7 @@ from replica.model_loader import cache_root
 logger = logging.getLogger(__name__)
 
 # Row counts a step's linears see: a decode batch's sequences up to the token budget.
-ROW_BUCKETS = (1, 8, 32, 128, 512, 2048)
+ROW_BUCKETS = (1, 8, 32, 64, 128, 256, 512, 2048)
 # Fresh-prefill attention is timed on this many chunks of FRESH_CHUNK rows.
 FRESH_CHUNKS, FRESH_CHUNK = 4, 128
 # Weight copies cycled through, several times a large L3, so that each call reads its
@@ -62,29 +62,25 @@ class LinearShape:
 
 @dataclass(frozen=True)
 class LinearChoice:
-    """kernels[i] runs steps of up to buckets[i] rows; larger steps run the last one."""
+    """kernels[i] runs steps of up to bounds[i] rows (and more than bounds[i - 1]); larger
+    steps run the last one."""
 
-    buckets: tuple[int, ...]
+    bounds: tuple[int, ...]
     kernels: tuple[str, ...]
 
     def kernel_for(self, rows: int) -> str:
-        return self.kernels[min(bisect.bisect_left(self.buckets, rows), len(self.kernels) - 1)]
+        return self.kernels[min(bisect.bisect_left(self.bounds, rows), len(self.kernels) - 1)]
 
     def used(self) -> set[str]:
         return set(self.kernels)
 
     def describe(self) -> str:
-        """e.g. 'gemm.c at <=32 rows, onednn above'."""
-        runs: list[tuple[str, int]] = []  # (kernel, last bucket it wins)
-        for bucket, kernel in zip(self.buckets, self.kernels, strict=True):
-            if runs and runs[-1][0] == kernel:
-                runs[-1] = (kernel, bucket)
-            else:
-                runs.append((kernel, bucket))
-        if len(runs) == 1:
-            return runs[0][0]
-        parts = [f"{kernel} at <={last} rows" for kernel, last in runs[:-1]]
-        return ", ".join([*parts, f"{runs[-1][0]} above"])
+        """e.g. 'gemm.c at <=40 rows, onednn above'."""
+        if len(self.kernels) == 1:
+            return self.kernels[0]
+        runs = zip(self.bounds[:-1], self.kernels[:-1], strict=True)
+        parts = [f"{kernel} at <={bound} rows" for bound, kernel in runs]
+        return ", ".join([*parts, f"{self.kernels[-1]} above"])
 
     @classmethod
     def forced(cls, kernel: str) -> "LinearChoice":
@@ -97,17 +93,37 @@ def buckets_up_to(max_rows: int) -> tuple[int, ...]:
     return ROW_BUCKETS[:end]
 
 
+def interpolated(buckets: tuple[int, ...], seconds: list[float], rows: int) -> float:
+    """A kernel's time at `rows`, linear between the buckets it was timed at (and the
+    first or last bucket's time outside them)."""
+    i = bisect.bisect_left(buckets, rows)
+    if i == 0 or i == len(buckets):
+        return seconds[min(i, len(buckets) - 1)]
+    low, high = buckets[i - 1], buckets[i]
+    return seconds[i - 1] + (seconds[i] - seconds[i - 1]) * (rows - low) / (high - low)
+
+
 def fastest(buckets: tuple[int, ...], seconds: dict[str, list[float]]) -> LinearChoice:
-    """The fastest kernel per bucket; seconds[kernel][i] is its time at buckets[i]. The
-    library's packed path (oneDNN, else the first kernel) keeps a bucket unless another
-    kernel beats it by more than MARGIN: a kernel timed alone can lose a few percent back
-    inside a model, and a choice that flips on noise costs a second weight layout."""
+    """The fastest kernel at every row count up to the last bucket; seconds[kernel][i] is
+    its time at buckets[i], and times in between are interpolated: a step's rows fall
+    anywhere between the buckets, and the kernel that wins at a bucket's upper end can
+    lose well below it. The library's packed path (oneDNN, else the first kernel) keeps a
+    row count unless another kernel beats it by more than MARGIN: a kernel timed alone
+    can lose a few percent back inside a model, and a choice that flips on noise costs a
+    second weight layout."""
     default = linear_kernels.ONEDNN if linear_kernels.ONEDNN in seconds else next(iter(seconds))
-    kernels = []
-    for i in range(len(buckets)):
-        best = min(seconds, key=lambda kernel: seconds[kernel][i])
-        kernels.append(best if seconds[best][i] * (1 + MARGIN) < seconds[default][i] else default)
-    return LinearChoice(buckets, tuple(kernels))
+    bounds: list[int] = []
+    kernels: list[str] = []
+    for rows in range(1, buckets[-1] + 1):
+        times = {kernel: interpolated(buckets, s, rows) for kernel, s in seconds.items()}
+        best = min(times, key=times.__getitem__)
+        kernel = best if times[best] * (1 + MARGIN) < times[default] else default
+        if kernels and kernels[-1] == kernel:
+            bounds[-1] = rows
+        else:
+            bounds.append(rows)
+            kernels.append(kernel)
+    return LinearChoice(tuple(bounds), tuple(kernels))
 
 
 def _time_call(call) -> float:
@@ -199,7 +215,7 @@ class KernelChooser:
         self.chosen: dict[str, str] = {}  # what was chosen where, for the log line
 
     def linear(self, shape: LinearShape, max_rows: int | None = None) -> LinearChoice:
-        """The kernel per row bucket for a linear of `shape` in steps of up to max_rows
+        """The kernel per row count for a linear of `shape` in steps of up to max_rows
         (default: the chooser's)."""
         runnable = [
             k

@@ -38,7 +38,7 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.group, self.gated, self.choice = group, gated, choice
         self.in_features, self.out_features = weight.shape[1], weight.shape[0] // (2 if gated else 1)
-        # Only the layouts of kernels that win some row bucket: memory is not doubled for
+        # Only the layouts of kernels that win at some row count: memory is not doubled for
         # a kernel that never runs.
         self.layouts = {kernel: linear_kernels.pack(kernel, weight, bias, gated) for kernel in choice.used()}
         self._only = next(iter(self.layouts)) if len(self.layouts) == 1 else None

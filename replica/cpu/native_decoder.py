@@ -7,7 +7,6 @@ every linear chose gemm.c at the step's row count and whose attention the C kern
 entirely (not fresh prefills that SDPA attends where it measured faster). Anywhere else
 FusedDecoder's Python loop runs the kernels chosen for the step."""
 
-import bisect
 import ctypes
 
 import torch
@@ -16,7 +15,6 @@ from replica.attention.context import get_forward_context
 from replica.cpu import ops
 from replica.cpu.abi import DecoderLayer, DecoderShape
 from replica.cpu.build import load_library
-from replica.cpu.kernel_choice import ROW_BUCKETS
 from replica.cpu.linear_kernels import GEMM_C
 
 
@@ -52,7 +50,7 @@ class NativeDecoder:
             )
         ]
         self._layers, self._caches_seen = None, None
-        self._all_gemm_c: dict[int, bool] = {}  # row bucket -> every linear runs gemm.c there
+        self._all_gemm_c: dict[int, bool] = {}  # rows -> every linear runs gemm.c there
         self._scratch = torch.empty(0, dtype=torch.bfloat16)
         self._lib = load_library()
 
@@ -101,10 +99,9 @@ class NativeDecoder:
         return out
 
     def _runs_gemm_c(self, rows: int) -> bool:
-        bucket = bisect.bisect_left(ROW_BUCKETS, rows)
-        if bucket not in self._all_gemm_c:
-            self._all_gemm_c[bucket] = all(m.choice.kernel_for(rows) == GEMM_C for m in self._linears)
-        return self._all_gemm_c[bucket]
+        if rows not in self._all_gemm_c:
+            self._all_gemm_c[rows] = all(m.choice.kernel_for(rows) == GEMM_C for m in self._linears)
+        return self._all_gemm_c[rows]
 
     def _bind(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> DecoderShape:
         """The layers' struct array with this KV cache, rebuilt when the cache changes."""
