@@ -35,7 +35,7 @@ class DecoderShape(ctypes.Structure):
 
     _fields_ = [
         *((name, _int) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim",
-                                    "intermediate", "block_size")),
+                                    "intermediate", "block_size", "is_bf16")),
         ("eps", _float), ("scale", _float), ("final_norm", _ptr),
     ]  # fmt: skip
 

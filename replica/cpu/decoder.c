@@ -1,7 +1,7 @@
-/* A whole decoder step of the Llama family in bf16, in one call: every layer's norms
- * (kernels.c), GEMMs (gemm.c) and paged attention (attention.c), in the order and with
- * the rounding points of decoder.py's Python loop over the same kernels, which it
- * replaces where it can (see FusedDecoder).
+/* A whole decoder step of the Llama family in bf16 or fp32 (shape->is_bf16), in one
+ * call: every layer's norms and MLP activation (kernels.c), GEMMs (gemm.c) and paged
+ * attention (attention.c), in the order and with the rounding points of decoder.py's
+ * Python loop over the same kernels, which it replaces where it can (see FusedDecoder).
  *
  * Why: a step calls eight kernels per layer. From Python each call costs a few
  * microseconds of argument handling and tensor allocation, while the other threads spin
@@ -12,55 +12,74 @@
 
 #include "kvserve_abi.h"
 
-/* Keep rows[0..kept-1] (ascending) of x [rows, n] as its first rows. */
-static void keep_rows(bf16* x, int64_t n, const int64_t* rows, int64_t kept) {
+/* Keep rows[0..kept-1] (ascending) of x [rows, row_bytes] as its first rows. */
+static void keep_rows(char* x, int64_t row_bytes, const int64_t* rows, int64_t kept) {
     for (int64_t r = 0; r < kept; r++)
-        if (rows[r] != r) memmove(x + r * n, x + rows[r] * n, sizeof(bf16) * (size_t)n);
+        if (rows[r] != r) memmove(x + r * row_bytes, x + rows[r] * row_bytes, (size_t)row_bytes);
+}
+
+/* y [m, n] = x [m, k] W^T + b through gemm.c's kernel for the model's dtype. */
+static void linear(int is_bf16, void* y, const void* x, const void* w, const void* b, int64_t m, int64_t n,
+                   int64_t k, int num_threads) {
+    if (is_bf16)
+        gemm_bf16(y, x, w, b, m, n, k, 0, num_threads);
+    else
+        gemm_f32(y, x, w, b, m, n, k, num_threads);
 }
 
 /* residual [T, E]: the embeddings in; used as the skip connection. out [R, E]: the final
  * normed hidden states of the packed rows `rows` (R = num_rows of them, ascending, maybe
  * none), or of every row when num_rows < 0 (R = T). cos/sin [T, D]. scratch:
- * decoder_scratch_elements(T) bf16. */
-void decoder_forward(const DecoderShape* shape, const DecoderLayer* layers, const StepLayout* step, bf16* residual,
-                     const bf16* cos, const bf16* sin, const int64_t* rows, int64_t num_rows, bf16* out,
-                     bf16* scratch, int num_threads) {
-    const int64_t T = step->num_tokens, E = shape->hidden, D = shape->head_dim;
+ * decoder_scratch_elements(T) elements of the model's dtype. */
+void decoder_forward(const DecoderShape* shape, const DecoderLayer* layers, const StepLayout* step, void* residual,
+                     const void* cos, const void* sin, const int64_t* rows, int64_t num_rows, void* out,
+                     void* scratch, int num_threads) {
+    const int bf = shape->is_bf16;
+    const int64_t T = step->num_tokens, E = shape->hidden, D = shape->head_dim, I = shape->intermediate;
+    const int64_t size = bf ? (int64_t)sizeof(bf16) : (int64_t)sizeof(float);
     const int64_t q_width = shape->num_heads * D, kv_width = shape->num_kv_heads * D;
     const int64_t qkv_width = q_width + 2 * kv_width;
-    bf16* normed = scratch;                /* [T, E] */
-    bf16* qkv = normed + T * E;            /* [T, qkv_width] */
-    bf16* attended = qkv + T * qkv_width;  /* [T, q_width] */
-    bf16* projected = attended + T * q_width; /* [T, E]: o_proj's, then the MLP's output */
-    bf16* act = projected + T * E;         /* [T, intermediate] */
+    char* normed = scratch;                         /* [T, E] */
+    char* qkv = normed + T * E * size;              /* [T, qkv_width] */
+    char* attended = qkv + T * qkv_width * size;    /* [T, q_width] */
+    char* projected = attended + T * q_width * size; /* [T, E]: o_proj's, then the MLP's output */
+    char* act = projected + T * E * size;           /* [T, I] */
+    char* gate_up = act + T * I * size; /* [T, 2 I], fp32 only: gemm_f32 has no silu epilogue */
     int64_t rows_now = T;
     for (int i = 0; i < shape->num_layers; i++) {
         const DecoderLayer* L = &layers[i];
         /* The previous layer's MLP output joins the skip connection, then the norm. */
         rms_norm(normed, i == 0 ? residual : projected, i == 0 ? NULL : residual, L->input_norm, rows_now, E,
-                 shape->eps, 1, num_threads);
-        gemm_bf16(qkv, normed, L->qkv, L->qkv_bias, rows_now, qkv_width, E, 0, num_threads);
-        paged_attention(attended, qkv, qkv_width, D, qkv + q_width, qkv_width, D, qkv + q_width + kv_width,
-                        qkv_width, D, cos, sin, L->k_cache, L->v_cache, step, shape->num_heads,
-                        shape->num_kv_heads, (int)D, shape->block_size, shape->scale, 1, num_threads);
+                 shape->eps, bf, num_threads);
+        linear(bf, qkv, normed, L->qkv, L->qkv_bias, rows_now, qkv_width, E, num_threads);
+        paged_attention(attended, qkv, qkv_width, D, qkv + q_width * size, qkv_width, D,
+                        qkv + (q_width + kv_width) * size, qkv_width, D, cos, sin, L->k_cache, L->v_cache, step,
+                        shape->num_heads, shape->num_kv_heads, (int)D, shape->block_size, shape->scale, bf,
+                        num_threads);
         if (i == shape->num_layers - 1 && num_rows >= 0) {
             /* Only these rows go on: the others' KV is written, and nothing reads the rest. */
-            keep_rows(attended, q_width, rows, num_rows);
-            keep_rows(residual, E, rows, num_rows);
+            keep_rows(attended, q_width * size, rows, num_rows);
+            keep_rows(residual, E * size, rows, num_rows);
             rows_now = num_rows;
         }
-        gemm_bf16(projected, attended, L->o, L->o_bias, rows_now, E, q_width, 0, num_threads);
-        rms_norm(normed, projected, residual, L->post_norm, rows_now, E, shape->eps, 1, num_threads);
-        gemm_bf16(act, normed, L->gate_up, L->gate_up_bias, rows_now, shape->intermediate, E, 1, num_threads);
-        gemm_bf16(projected, act, L->down, L->down_bias, rows_now, E, shape->intermediate, 0, num_threads);
+        linear(bf, projected, attended, L->o, L->o_bias, rows_now, E, q_width, num_threads);
+        rms_norm(normed, projected, residual, L->post_norm, rows_now, E, shape->eps, bf, num_threads);
+        if (bf) {
+            gemm_bf16((bf16*)act, (const bf16*)normed, L->gate_up, L->gate_up_bias, rows_now, I, E, 1, num_threads);
+        } else {
+            gemm_f32((float*)gate_up, (const float*)normed, L->gate_up, L->gate_up_bias, rows_now, 2 * I, E,
+                     num_threads);
+            silu_mul(act, gate_up, rows_now, (int)I, 0, num_threads);
+        }
+        linear(bf, projected, act, L->down, L->down_bias, rows_now, E, I, num_threads);
     }
-    rms_norm(out, projected, residual, shape->final_norm, rows_now, E, shape->eps, 1, num_threads);
+    rms_norm(out, projected, residual, shape->final_norm, rows_now, E, shape->eps, bf, num_threads);
 }
 
 int64_t decoder_scratch_elements(const DecoderShape* shape, int64_t num_tokens) {
-    const int64_t D = shape->head_dim, E = shape->hidden;
+    const int64_t D = shape->head_dim, E = shape->hidden, I = shape->intermediate;
     const int64_t q_width = shape->num_heads * D, kv_width = shape->num_kv_heads * D;
-    return num_tokens * (2 * E + q_width + 2 * kv_width + q_width + shape->intermediate);
+    return num_tokens * (2 * E + q_width + 2 * kv_width + q_width + I + (shape->is_bf16 ? 0 : 2 * I));
 }
 
 size_t kvserve_decoder_layer_size(void) { return sizeof(DecoderLayer); }

@@ -46,8 +46,8 @@ class FusedDecoder(nn.Module):
             SiluMLP(layer.mlp, chooser, fuse_activation=not lora) for layer in decoder.layers
         )
         self.norm = RMSNorm(decoder.norm)
-        # decoder.c's loop over the same kernels, where it covers this model (bf16, with
-        # gemm.c's kernel chosen for some row counts): the same result without Python
+        # decoder.c's loop over the same kernels, where it covers this model (bf16 or fp32,
+        # with gemm.c's kernel chosen for some row counts): the same result without Python
         # between the kernels, in the steps whose every linear runs gemm.c.
         self.native = NativeDecoder(self) if not lora and NativeDecoder.supports(self) else None
 

@@ -30,18 +30,19 @@ typedef struct {
     int num_decodes, decode_width, num_prefills, prefill_width;
 } StepLayout;
 
-/* One decoder layer's weights (packed by pack_bf16_weight; biases may be NULL) and KV cache. */
+/* One decoder layer's weights (packed by pack_bf16_weight or pack_f32_weight, in the
+ * model's dtype; biases may be NULL) and KV cache. */
 typedef struct {
-    const bf16 *input_norm, *post_norm;
-    const bf16 *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias;
+    const void *input_norm, *post_norm;
+    const void *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias;
     void *k_cache, *v_cache;
 } DecoderLayer;
 
-/* The model's shapes, the same in every layer. */
+/* The model's shapes, the same in every layer, and its dtype: bf16 or fp32. */
 typedef struct {
-    int num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size;
+    int num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size, is_bf16;
     float eps, scale;
-    const bf16* final_norm;
+    const void* final_norm;
 } DecoderShape;
 
 /* kernels.c */
@@ -79,9 +80,9 @@ void gemm_f32(float* y, const float* x, const float* packed, const float* bias, 
               int num_threads);
 
 /* decoder.c */
-void decoder_forward(const DecoderShape* shape, const DecoderLayer* layers, const StepLayout* step, bf16* residual,
-                     const bf16* cos, const bf16* sin, const int64_t* rows, int64_t num_rows, bf16* out,
-                     bf16* scratch, int num_threads);
+void decoder_forward(const DecoderShape* shape, const DecoderLayer* layers, const StepLayout* step, void* residual,
+                     const void* cos, const void* sin, const int64_t* rows, int64_t num_rows, void* out,
+                     void* scratch, int num_threads);
 int64_t decoder_scratch_elements(const DecoderShape* shape, int64_t num_tokens);
 size_t kvserve_decoder_layer_size(void);
 size_t kvserve_decoder_shape_size(void);

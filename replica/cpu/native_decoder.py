@@ -1,11 +1,12 @@
 """decoder.c's whole-step loop for FusedDecoder: the layers' weight pointers gathered
 once, and the KV cache's once per cache, in abi.py's mirrors of decoder.c's structs.
 
-It runs where every linear has a layout for gemm.c's bf16 kernel and the layers have no
-parts it lacks (tensor-parallel reductions, Qwen3's q/k norms), and only in steps whose
-every linear chose gemm.c at the step's row count and whose attention the C kernel does
-entirely (not fresh prefills that SDPA attends where it measured faster). Anywhere else
-FusedDecoder's Python loop runs the kernels chosen for the step."""
+It runs where every linear has a layout for gemm.c's kernel (bf16 on AVX512-BF16 CPUs,
+fp32 on AVX2 ones) and the layers have no parts it lacks (tensor-parallel reductions,
+Qwen3's q/k norms), and only in steps whose every linear chose gemm.c at the step's row
+count and whose attention the C kernel does entirely (not fresh prefills that SDPA
+attends where it measured faster). Anywhere else FusedDecoder's Python loop runs the
+kernels chosen for the step."""
 
 import ctypes
 
@@ -23,6 +24,7 @@ class NativeDecoder:
         """fused: a FusedDecoder that `supports`."""
         attention, mlp = fused.attentions[0], fused.mlps[0]
         self.hidden = fused.norm.weight.shape[0]
+        self.dtype = fused.norm.weight.dtype
         self.block_size = None  # from the KV cache, with the layers' cache pointers
         self._shape_args = dict(
             num_layers=len(fused.attentions),
@@ -31,6 +33,7 @@ class NativeDecoder:
             num_kv_heads=attention.num_kv_heads,
             head_dim=attention.head_dim,
             intermediate=mlp.gate_up.out_features,
+            is_bf16=int(self.dtype == torch.bfloat16),
             eps=fused.norm.eps,
             scale=attention.scaling,
             final_norm=fused.norm.weight.data_ptr(),
@@ -51,7 +54,7 @@ class NativeDecoder:
         ]
         self._layers, self._caches_seen = None, None
         self._all_gemm_c: dict[int, bool] = {}  # rows -> every linear runs gemm.c there
-        self._scratch = torch.empty(0, dtype=torch.bfloat16)
+        self._scratch = torch.empty(0, dtype=self.dtype)
         self._lib = load_library()
 
     @staticmethod
@@ -64,7 +67,8 @@ class NativeDecoder:
         return (
             all(m.layout(GEMM_C) is not None and m.group is None for m in linears)
             and all(a.q_norm is None and a.k_norm is None for a in fused.attentions)
-            and all(n.weight.dtype == torch.bfloat16 and n.eps == fused.norm.eps for n in norms)
+            and fused.norm.weight.dtype in (torch.bfloat16, torch.float32)
+            and all(n.weight.dtype == fused.norm.weight.dtype and n.eps == fused.norm.eps for n in norms)
             and all(
                 (a.num_heads, a.num_kv_heads, a.head_dim, a.scaling)
                 == (first.num_heads, first.num_kv_heads, first.head_dim, first.scaling)
@@ -87,10 +91,10 @@ class NativeDecoder:
         num_tokens = residual.shape[0]
         needed = self._lib.decoder_scratch_elements(ctypes.byref(shape), num_tokens)
         if self._scratch.numel() < needed:
-            self._scratch = torch.empty(needed, dtype=torch.bfloat16)
+            self._scratch = torch.empty(needed, dtype=self.dtype)
         num_rows = -1 if rows is None else rows.shape[0]  # -1: every row
         out = residual.new_empty((num_tokens if rows is None else num_rows, self.hidden))
-        cos, sin = cos.to(torch.bfloat16).contiguous(), sin.to(torch.bfloat16).contiguous()
+        cos, sin = cos.to(self.dtype).contiguous(), sin.to(self.dtype).contiguous()
         self._lib.decoder_forward(
             ctypes.byref(shape), self._layers, ctypes.byref(layout), residual.data_ptr(),
             cos.data_ptr(), sin.data_ptr(), rows.data_ptr() if num_rows > 0 else None, num_rows,
