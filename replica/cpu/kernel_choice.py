@@ -16,6 +16,7 @@ they can run, the C attention kernel for fresh prefills), "onednn" or "torch" (t
 library kernel for every linear, SDPA for fresh prefills)."""
 
 import bisect
+import functools
 import hashlib
 import itertools
 import json
@@ -45,6 +46,7 @@ FRESH_CHUNKS, FRESH_CHUNK = 4, 128
 # it lost inside the model.
 STREAMED_BYTES = 256 << 20
 MIN_TIMED_S = 0.002  # a timing repeats one call until this much time has passed
+ROUNDS = 5  # timings per candidate; the best counts
 MARGIN = 0.1  # how much faster than the library's packed path another kernel must be
 
 
@@ -107,11 +109,15 @@ def fastest(buckets: tuple[int, ...], seconds: dict[str, list[float]]) -> Linear
     """The fastest kernel at every row count up to the last bucket; seconds[kernel][i] is
     its time at buckets[i], and times in between are interpolated: a step's rows fall
     anywhere between the buckets, and the kernel that wins at a bucket's upper end can
-    lose well below it. The library's packed path (oneDNN, else the first kernel) keeps a
-    row count unless another kernel beats it by more than MARGIN: a kernel timed alone
-    can lose a few percent back inside a model, and a choice that flips on noise costs a
-    second weight layout."""
-    default = linear_kernels.ONEDNN if linear_kernels.ONEDNN in seconds else next(iter(seconds))
+    lose well below it. The default (gemm.c where it runs, else oneDNN, else the first
+    kernel) keeps a row count unless another kernel beats it by more than MARGIN: a choice
+    that flips on noise costs a second weight layout, and gemm.c is the default because
+    decoder.c's one-call step loop runs only in steps where every linear chose it, which
+    saves per-kernel calls a linear timed alone does not show (offline.py --kernel-ab
+    measures the whole)."""
+    default = next(
+        (k for k in (linear_kernels.GEMM_C, linear_kernels.ONEDNN) if k in seconds), next(iter(seconds))
+    )
     bounds: list[int] = []
     kernels: list[str] = []
     for rows in range(1, buckets[-1] + 1):
@@ -126,42 +132,51 @@ def fastest(buckets: tuple[int, ...], seconds: dict[str, list[float]]) -> Linear
     return LinearChoice(tuple(bounds), tuple(kernels))
 
 
-def _time_call(call) -> float:
-    """Seconds per call: the best of three rounds, each of repeated calls over at least
-    MIN_TIMED_S (after one untimed call)."""
-    call()
-    best = float("inf")
-    for _ in range(3):
-        calls, start = 0, time.perf_counter()
-        while True:
-            call()
-            calls += 1
-            elapsed = time.perf_counter() - start
-            if elapsed >= MIN_TIMED_S:
-                break
-        best = min(best, elapsed / calls)
+def _time_rounds(calls: dict[str, object]) -> dict[str, float]:
+    """Seconds per call of each of `calls`: after one untimed call each, ROUNDS rounds in
+    which the calls take turns, each repeated over at least MIN_TIMED_S; the best round
+    counts. Taking turns puts the machine's drift on every candidate alike."""
+    for call in calls.values():
+        call()
+    best = dict.fromkeys(calls, float("inf"))
+    for _ in range(ROUNDS):
+        for name, call in calls.items():
+            count, start = 0, time.perf_counter()
+            while True:
+                call()
+                count += 1
+                elapsed = time.perf_counter() - start
+                if elapsed >= MIN_TIMED_S:
+                    break
+            best[name] = min(best[name], elapsed / count)
     return best
 
 
-def time_linear(kernel: str, shape: LinearShape, buckets: tuple[int, ...]) -> list[float]:
-    """Seconds per call of `kernel` on a random weight of `shape` at each bucket's rows,
-    cycling through copies of the weight so that each call reads it from memory, as a
-    step reads each layer's weights once."""
+def time_linears(kernels: list[str], shape: LinearShape, buckets: tuple[int, ...]) -> dict[str, list[float]]:
+    """Seconds per call of each kernel on a random weight of `shape` at each bucket's
+    rows, cycling through copies of the weight so that each call reads it from memory, as
+    a step reads each layer's weights once."""
     g = torch.Generator().manual_seed(0)
     weight = (torch.randn(shape.out_features, shape.in_features, generator=g) * 0.02).to(shape.dtype)
     weight_bytes = weight.numel() * weight.element_size()
     copies = max(1, min(256, STREAMED_BYTES // weight_bytes))
-    packed = [linear_kernels.pack(kernel, weight.clone(), None, shape.gated) for _ in range(copies)]
     out_features = shape.out_features // (2 if shape.gated else 1)
-    layouts, times = itertools.cycle(packed), []
+    layouts = {
+        kernel: itertools.cycle(
+            [linear_kernels.pack(kernel, weight.clone(), None, shape.gated) for _ in range(copies)]
+        )
+        for kernel in kernels
+    }
+    times: dict[str, list[float]] = {kernel: [] for kernel in kernels}
     for rows in buckets:
         x = torch.randn(rows, shape.in_features, generator=g).to(shape.dtype)
 
-        def call(x=x) -> None:
-            w, b = next(layouts)
+        def call(kernel: str, x=x) -> None:
+            w, b = next(layouts[kernel])
             linear_kernels.run(kernel, x, w, b, out_features, shape.gated)
 
-        times.append(_time_call(call))
+        for kernel, seconds in _time_rounds({k: functools.partial(call, k) for k in kernels}).items():
+            times[kernel].append(seconds)
     return times
 
 
@@ -191,7 +206,7 @@ def time_fresh_prefill(
     saved = ops.FRESH_PREFILLS_BY_SDPA
     ops.FRESH_PREFILLS_BY_SDPA = by_sdpa
     try:
-        return _time_call(call)
+        return _time_rounds({"attention": call})["attention"]
     finally:
         ops.FRESH_PREFILLS_BY_SDPA = saved
 
@@ -231,10 +246,9 @@ class KernelChooser:
             choice = LinearChoice.forced(self.forced)
         else:
             buckets = buckets_up_to(max_rows or self.max_rows)
-            seconds = {
-                kernel: self._timed(shape.key(), kernel, buckets, time_linear, kernel, shape, buckets)
-                for kernel in runnable
-            }
+            seconds = self._timed(
+                shape.key(), runnable, buckets, lambda: time_linears(runnable, shape, buckets)
+            )
             choice = fastest(buckets, seconds)
         self.chosen[shape.key().removeprefix("linear ")] = choice.describe()
         return choice
@@ -250,9 +264,11 @@ class KernelChooser:
             key = f"fresh prefill {dtype_name} {num_heads}/{num_kv_heads}x{head_dim} block {block_size}"
             args = (num_heads, num_kv_heads, head_dim, block_size, dtype)
             bucket = (FRESH_CHUNKS * FRESH_CHUNK,)
-            c_kernel = self._timed(key, "c", bucket, lambda *_: [time_fresh_prefill(False, *args)])
-            sdpa = self._timed(key, "sdpa", bucket, lambda *_: [time_fresh_prefill(True, *args)])
-            by_sdpa = sdpa[0] < c_kernel[0]
+            seconds = self._timed(
+                key, ["c", "sdpa"], bucket, lambda: {"c": [time_fresh_prefill(False, *args)],
+                                                     "sdpa": [time_fresh_prefill(True, *args)]}
+            )  # fmt: skip
+            by_sdpa = seconds["sdpa"][0] < seconds["c"][0]
         self.chosen["fresh prefill attention"] = "sdpa" if by_sdpa else "c kernel"
         return by_sdpa
 
@@ -275,16 +291,20 @@ class KernelChooser:
         except OSError as e:  # a read-only home is no reason to fail a load
             logger.warning("cannot cache kernel timings in %s: %s", self.cache_path, e)
 
-    def _timed(self, key: str, kernel: str, buckets: tuple[int, ...], measure, *args) -> list[float]:
-        """Seconds at each bucket of `key` with `kernel`: cached, or measured now."""
+    def _timed(
+        self, key: str, kernels: list[str], buckets: tuple[int, ...], measure
+    ) -> dict[str, list[float]]:
+        """Seconds of each kernel at each bucket of `key`: cached, or all measured now
+        (measure() -> {kernel: seconds per bucket}), so that they share the machine's state."""
         entry = self.timings.setdefault(key, {})
-        cached = entry.get(kernel, {})
-        if all(str(b) in cached for b in buckets):
-            return [cached[str(b)] for b in buckets]
-        measured = measure(*args)
-        entry[kernel] = {**cached, **{str(b): s for b, s in zip(buckets, measured, strict=True)}}
-        self.measured.add(key)
-        return measured
+        if not all(str(b) in entry.get(kernel, {}) for kernel in kernels for b in buckets):
+            for kernel, measured in measure().items():
+                entry[kernel] = {
+                    **entry.get(kernel, {}),
+                    **{str(b): s for b, s in zip(buckets, measured, strict=True)},
+                }
+            self.measured.add(key)
+        return {kernel: [entry[kernel][str(b)] for b in buckets] for kernel in kernels}
 
     def _read_cache(self) -> dict:
         try:
