@@ -224,8 +224,9 @@ static inline __attribute__((always_inline)) void f32_tile(float* y, const float
  * q + 1 rows if t < rem, else q. Each tile is copied once into xt [k][height], the tiles
  * shared out between the threads. Then the tiles go in row blocks of about
  * F32_BLOCK_BYTES of x, and within a block each thread streams its share of the panels
- * past the block's tiles: the block stays in the thread's L2 and each panel in L1, where
- * one pass of every panel over all the rows would read x from L3 once per panel. */
+ * past the block's tiles: the block stays in the thread's L2 while a panel passes over
+ * all its tiles, where one pass of every panel over all the rows would read x from L3
+ * once per panel. */
 void gemm_f32(float* y, const float* x, const float* packed, const float* bias, int64_t m, int64_t n, int64_t k,
               int num_threads) {
     if (m <= 0) return;

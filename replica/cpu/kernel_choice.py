@@ -24,6 +24,7 @@ import logging
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,9 +42,9 @@ logger = logging.getLogger(__name__)
 ROW_BUCKETS = (1, 8, 32, 64, 128, 256, 512, 2048)
 # Fresh-prefill attention is timed on this many chunks of FRESH_CHUNK rows.
 FRESH_CHUNKS, FRESH_CHUNK = 4, 128
-# Weight copies cycled through, several times a large L3, so that each call reads its
-# weight from memory as a step does: timed from cache, F.linear beat oneDNN at rows where
-# it lost inside the model.
+# Weight copies cycled through, more than a server CPU's L3 holds (4x this EPYC's 32 MB),
+# so that each call reads its weight from memory as a step does: timed from cache,
+# F.linear beat oneDNN at rows where it lost inside the model.
 STREAMED_BYTES = 128 << 20
 MIN_TIMED_S = 0.002  # a timing repeats one call until this much time has passed
 ROUNDS = 3  # timings per candidate; the best counts
@@ -132,7 +133,7 @@ def fastest(buckets: tuple[int, ...], seconds: dict[str, list[float]]) -> Linear
     return LinearChoice(tuple(bounds), tuple(kernels))
 
 
-def _time_rounds(calls: dict[str, object]) -> dict[str, float]:
+def _time_rounds(calls: dict[str, Callable[[], None]]) -> dict[str, float]:
     """Seconds per call of each of `calls`: after one untimed call each, ROUNDS rounds in
     which the calls take turns, each repeated over at least MIN_TIMED_S; the best round
     counts. Taking turns puts the machine's drift on every candidate alike."""
