@@ -218,6 +218,11 @@ static inline __attribute__((always_inline)) void f32_tile(float* y, const float
 
 #define F32_BLOCK_BYTES (384 << 10) /* of x per row block: stays in L2, with a panel, while the panels pass */
 
+/* Tile t's first row and height when m rows go in tiles of q rows, the first rem of them
+ * one taller (q = m / tiles, rem = m % tiles). */
+static inline int64_t f32_tile_start(int64_t t, int64_t q, int64_t rem) { return t * q + (t < rem ? t : rem); }
+static inline int64_t f32_tile_height(int64_t t, int64_t q, int64_t rem) { return q + (t < rem); }
+
 /* y [m, n] = x [m, k] W^T + bias, all contiguous fp32; W packed by pack_f32_weight; bias
  * [n] or NULL. The rows go in tiles of as equal heights as up to 6 allow (8 rows as 4 + 4,
  * not 6 + 2: a short tile is bound by the FMA latency, not the throughput): tile t has
@@ -240,7 +245,7 @@ void gemm_f32(float* y, const float* x, const float* packed, const float* bias, 
     {
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tiles; t++) {
-            const int64_t r = t * q + (t < rem ? t : rem), height = q + (t < rem);
+            const int64_t r = f32_tile_start(t, q, rem), height = f32_tile_height(t, q, rem);
             for (int64_t c = 0; c < k; c++)
                 for (int64_t i = 0; i < height; i++) xt[r * k + c * height + i] = x[(r + i) * k + c];
         }
@@ -251,8 +256,8 @@ void gemm_f32(float* y, const float* x, const float* packed, const float* bias, 
             for (int64_t p = 0; p < panels; p++) {
                 const float* panel = packed + p * k * F32_PANEL;
                 for (int64_t t = first; t < last; t++) {
-                    const int64_t r = t * q + (t < rem ? t : rem);
-                    switch ((int)(q + (t < rem))) {
+                    const int64_t r = f32_tile_start(t, q, rem);
+                    switch ((int)f32_tile_height(t, q, rem)) {
                         F32_TILE_CASE(1) F32_TILE_CASE(2) F32_TILE_CASE(3) F32_TILE_CASE(4) F32_TILE_CASE(5)
                         default: f32_tile(y + r * n, xt + r * k, panel, bias, p, n, k, F32_TILE_ROWS);
                     }
