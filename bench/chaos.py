@@ -59,6 +59,7 @@ class Kill:
     target: str  # "replica", "coordinator", "proxy" or "ingress"
     at: float  # seconds into the run
     recovered_after_s: float | None = None  # None: not back within the time allowed
+    running: int | None = None  # of a killed replica: its running requests, as last reported
 
 
 @dataclass
@@ -153,13 +154,28 @@ def _serving(base_url: str) -> bool:
     return reply.status_code == 200
 
 
+def _busiest_replica(app: str, wait_s: float) -> tuple[str, int]:
+    """The replica running the most requests by a fresh report, and how many. Waits up to
+    wait_s for one that runs any: killing an idle replica would leave nothing to migrate,
+    and on a loaded machine a snapshot can catch every replica between requests, or miss
+    the busy one's report."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        fresh = {r: s.num_running for r, s in snapshot(app).items() if s.age_s < 1.0}
+        if fresh:
+            victim = max(sorted(fresh), key=lambda r: (fresh[r], random.random()))
+            if fresh[victim] > 0 or time.monotonic() > deadline:
+                return victim, fresh[victim]
+        elif time.monotonic() > deadline:
+            raise LookupError(f"no fresh report from any replica of {app} in {wait_s} s")
+        time.sleep(0.1)
+
+
 def _kill(app: str, target: str, replicas: int, base_url: str, recover_s: float, run_started: float) -> Kill:
     """Kill one component, then time how long until it is back."""
-    reports = snapshot(app)
-    before = set(reports)
+    running = None
     if target == "replica":
-        # The busiest replica: killing an idle one would leave nothing to migrate.
-        victim = max(sorted(before), key=lambda r: (reports[r].num_running, random.random()))
+        victim, running = _busiest_replica(app, recover_s)
         ray.kill(ray.get_actor(f"SERVE_REPLICA::{app}#LLMServer#{victim}", namespace="serve"))
 
         def back() -> bool:
@@ -180,7 +196,7 @@ def _kill(app: str, target: str, replicas: int, base_url: str, recover_s: float,
         def back() -> bool:
             return _serving(base_url)
 
-    kill = Kill(target, round(time.monotonic() - run_started, 2))
+    kill = Kill(target, round(time.monotonic() - run_started, 2), running=running)
     time.sleep(0.5)  # let the death be noticed before asking whether it is over
     waited = _wait(back, recover_s)
     kill.recovered_after_s = None if waited is None else round(waited + 0.5, 2)
