@@ -142,7 +142,7 @@ SIGNATURES = {
     "f32_gemm_available": ([], _i32),
     "packed_f32_weight_elements": ([_i64, _i64], _i64),
     "pack_f32_weight": ([_p, _p, _i64, _i64], None),
-    "gemm_f32": ([_p, _p, _p, _p, _i64, _i64, _i64, _i32], None),
+    "gemm_f32": ([_p, _p, _p, _p, _i64, _i64, _i64, _i32, _i32], None),
     "decoder_forward": ([_SHAPE, _LAYERS, _STEP, _p, _p, _p, _p, _i64, _p, _p, _i32], None),
     "decoder_scratch_elements": ([_SHAPE, _i64], _i64),
     "kvserve_decoder_layer_size": ([], _size),

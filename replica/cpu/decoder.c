@@ -24,7 +24,7 @@ static void linear(int is_bf16, void* y, const void* x, const void* w, const voi
     if (is_bf16)
         gemm_bf16(y, x, w, b, m, n, k, 0, num_threads);
     else
-        gemm_f32(y, x, w, b, m, n, k, num_threads);
+        gemm_f32(y, x, w, b, m, n, k, 0, num_threads);
 }
 
 /* residual [T, E]: the embeddings in; used as the skip connection. out [R, E]: the final
@@ -44,7 +44,6 @@ void decoder_forward(const DecoderShape* shape, const DecoderLayer* layers, cons
     char* attended = qkv + T * qkv_width * size;    /* [T, q_width] */
     char* projected = attended + T * q_width * size; /* [T, E]: o_proj's, then the MLP's output */
     char* act = projected + T * E * size;           /* [T, I] */
-    char* gate_up = act + T * I * size; /* [T, 2 I], fp32 only: gemm_f32 has no silu epilogue */
     int64_t rows_now = T;
     for (int i = 0; i < shape->num_layers; i++) {
         const DecoderLayer* L = &layers[i];
@@ -64,13 +63,10 @@ void decoder_forward(const DecoderShape* shape, const DecoderLayer* layers, cons
         }
         linear(bf, projected, attended, L->o, L->o_bias, rows_now, E, q_width, num_threads);
         rms_norm(normed, projected, residual, L->post_norm, rows_now, E, shape->eps, bf, num_threads);
-        if (bf) {
+        if (bf)
             gemm_bf16((bf16*)act, (const bf16*)normed, L->gate_up, L->gate_up_bias, rows_now, I, E, 1, num_threads);
-        } else {
-            gemm_f32((float*)gate_up, (const float*)normed, L->gate_up, L->gate_up_bias, rows_now, 2 * I, E,
-                     num_threads);
-            silu_mul(act, gate_up, rows_now, (int)I, 0, num_threads);
-        }
+        else
+            gemm_f32((float*)act, (const float*)normed, L->gate_up, L->gate_up_bias, rows_now, I, E, 1, num_threads);
         linear(bf, projected, act, L->down, L->down_bias, rows_now, E, I, num_threads);
     }
     rms_norm(out, projected, residual, shape->final_norm, rows_now, E, shape->eps, bf, num_threads);
@@ -79,7 +75,7 @@ void decoder_forward(const DecoderShape* shape, const DecoderLayer* layers, cons
 int64_t decoder_scratch_elements(const DecoderShape* shape, int64_t num_tokens) {
     const int64_t D = shape->head_dim, E = shape->hidden, I = shape->intermediate;
     const int64_t q_width = shape->num_heads * D, kv_width = shape->num_kv_heads * D;
-    return num_tokens * (2 * E + q_width + 2 * kv_width + q_width + I + (shape->is_bf16 ? 0 : 2 * I));
+    return num_tokens * (2 * E + q_width + 2 * kv_width + q_width + I);
 }
 
 size_t kvserve_decoder_layer_size(void) { return sizeof(DecoderLayer); }

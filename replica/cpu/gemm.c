@@ -158,7 +158,10 @@ void gemm_bf16(bf16* y, const bf16* x, const bf16* packed, const bf16* bias, int
  * the weights of a decode step well below memory speed at 1 to 8 rows. Weights are packed
  * (pack_f32_weight) into panels of 16 output rows, [panel][k][16]: a column of a panel is
  * two 8-lane vectors. Rows of x go in tiles of up to 6: 12 accumulators, 2 weight vectors
- * and a broadcast fill the 16 AVX2 registers. Sums run in k order, in fp32. */
+ * and a broadcast fill the 16 AVX2 registers. Sums run in k order, in fp32. A gated MLP
+ * projection's panels hold 8 gate rows and their 8 up rows (ops.interleave_gate_up), so
+ * silu(gate) * up is applied to a tile's sums in registers: the gate and up outputs,
+ * twice the width of the result, are never written out and read back. */
 #define F32_PANEL 16
 #define F32_TILE_ROWS 6
 
@@ -178,13 +181,33 @@ void pack_f32_weight(float* dst, const float* w, int64_t n, int64_t k) {
 #if defined(__AVX2__) && defined(__FMA__)
 int f32_gemm_available(void) { return 1; }
 
+/* scalar.h's exp_clamped, 8 lanes at a time, in intrinsics: GCC left the plain loop over
+ * it scalar where it inlined it into the tile. */
+static inline __m256 exp256(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f),
+                                      _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x));
+    __m256 p = _mm256_set1_ps(1.98412698e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.38888889e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.33333333e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.16666667e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.66666667e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
 /* One panel times a tile of `rows` rows of x, read from xt [k][rows] (the tile's rows
  * interleaved, so one pointer walks them). The sums are named variables, not an array:
  * GCC kept an array of them in registers and also stored it to the stack on every k,
  * which made the stores the bottleneck. */
 static inline __attribute__((always_inline)) void f32_tile(float* y, const float* xt, const float* panel,
                                                            const float* bias, int64_t p, int64_t n, int64_t k,
-                                                           int rows) {
+                                                           int rows, int gated) {
     const __m256 zero = _mm256_setzero_ps();
     __m256 a00 = zero, a01 = zero, a10 = zero, a11 = zero, a20 = zero, a21 = zero;
     __m256 a30 = zero, a31 = zero, a40 = zero, a41 = zero, a50 = zero, a51 = zero;
@@ -205,16 +228,50 @@ static inline __attribute__((always_inline)) void f32_tile(float* y, const float
 #undef F32_ROW
     const __m256 sums[F32_TILE_ROWS][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}, {a40, a41}, {a50, a51}};
     const int64_t col = p * F32_PANEL;
-    float out[F32_PANEL];
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    if (gated) { /* lanes 0-7 are gates and 8-15 ups of outputs 8 p to 8 p + 7, bias alike */
+        const int64_t out_col = p * F32_PANEL / 2;
+        const __m256 gate_bias = bias ? _mm256_loadu_ps(bias + col) : zero;
+        const __m256 up_bias = bias ? _mm256_loadu_ps(bias + col + 8) : zero;
+        const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - out_col)), lanes);
+        for (int r = 0; r < rows; r++) {
+            const __m256 gate = _mm256_add_ps(sums[r][0], gate_bias), up = _mm256_add_ps(sums[r][1], up_bias);
+            const __m256 sig = _mm256_add_ps(_mm256_set1_ps(1.0f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), gate)));
+            _mm256_maskstore_ps(y + r * n + out_col, mask, _mm256_mul_ps(_mm256_div_ps(gate, sig), up));
+        }
+        return;
+    }
+    /* The last panel's outputs past n are padding: masked out (a masked lane never faults). */
+    const __m256i mask0 = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - col)), lanes);
+    const __m256i mask1 = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - col - 8)), lanes);
+    const __m256 b0 = bias ? _mm256_maskload_ps(bias + col, mask0) : zero;
+    const __m256 b1 = bias ? _mm256_maskload_ps(bias + col + 8, mask1) : zero;
     for (int r = 0; r < rows; r++) {
-        _mm256_storeu_ps(out, sums[r][0]);
-        _mm256_storeu_ps(out + 8, sums[r][1]);
-        for (int i = 0; i < F32_PANEL && col + i < n; i++) y[r * n + col + i] = out[i] + (bias ? bias[col + i] : 0.0f);
+        _mm256_maskstore_ps(y + r * n + col, mask0, _mm256_add_ps(sums[r][0], b0));
+        _mm256_maskstore_ps(y + r * n + col + 8, mask1, _mm256_add_ps(sums[r][1], b1));
     }
 }
 
+/* One instance per tile height and epilogue, so every loop over rows unrolls into registers. */
 #define F32_TILE_CASE(h) \
-    case h: f32_tile(y + r * n, xt + r * k, panel, bias, p, n, k, h); break;
+    case h: f32_tile(y, xt, panel, bias, p, n, k, h, gated); break;
+
+static inline __attribute__((always_inline)) void f32_tile_as(float* y, const float* xt, const float* panel,
+                                                              const float* bias, int64_t p, int64_t n, int64_t k,
+                                                              int rows, int gated) {
+    switch (rows) {
+        F32_TILE_CASE(1) F32_TILE_CASE(2) F32_TILE_CASE(3) F32_TILE_CASE(4) F32_TILE_CASE(5)
+        default: f32_tile(y, xt, panel, bias, p, n, k, F32_TILE_ROWS, gated);
+    }
+}
+
+static void f32_tile_rows(float* y, const float* xt, const float* panel, const float* bias, int64_t p, int64_t n,
+                          int64_t k, int rows, int gated) {
+    if (gated)
+        f32_tile_as(y, xt, panel, bias, p, n, k, rows, 1);
+    else
+        f32_tile_as(y, xt, panel, bias, p, n, k, rows, 0);
+}
 
 #define F32_BLOCK_BYTES (384 << 10) /* of x per row block: stays in L2, with a panel, while the panels pass */
 
@@ -224,7 +281,8 @@ static inline int64_t f32_tile_start(int64_t t, int64_t q, int64_t rem) { return
 static inline int64_t f32_tile_height(int64_t t, int64_t q, int64_t rem) { return q + (t < rem); }
 
 /* y [m, n] = x [m, k] W^T + bias, all contiguous fp32; W packed by pack_f32_weight; bias
- * [n] or NULL. The rows go in tiles of as equal heights as up to 6 allow (8 rows as 4 + 4,
+ * [n] or NULL. Gated (gate and up rows interleaved by 8, bias alike): y [m, n] =
+ * silu(x Wg^T + bg) * (x Wu^T + bu), as kernels.c's silu_mul computes it. The rows go in tiles of as equal heights as up to 6 allow (8 rows as 4 + 4,
  * not 6 + 2: a short tile is bound by the FMA latency, not the throughput): tile t has
  * q + 1 rows if t < rem, else q. Each tile is copied once into xt [k][height], the tiles
  * shared out between the threads. Then the tiles go in row blocks of about
@@ -233,9 +291,10 @@ static inline int64_t f32_tile_height(int64_t t, int64_t q, int64_t rem) { retur
  * all its tiles, where one pass of every panel over all the rows would read x from L3
  * once per panel. */
 void gemm_f32(float* y, const float* x, const float* packed, const float* bias, int64_t m, int64_t n, int64_t k,
-              int num_threads) {
+              int gated, int num_threads) {
     if (m <= 0) return;
-    const int64_t panels = (n + F32_PANEL - 1) / F32_PANEL, tiles = (m + F32_TILE_ROWS - 1) / F32_TILE_ROWS;
+    const int64_t panel_outputs = gated ? F32_PANEL / 2 : F32_PANEL;
+    const int64_t panels = (n + panel_outputs - 1) / panel_outputs, tiles = (m + F32_TILE_ROWS - 1) / F32_TILE_ROWS;
     const int64_t q = m / tiles, rem = m % tiles;
     int64_t block_tiles = F32_BLOCK_BYTES / ((int64_t)sizeof(float) * F32_TILE_ROWS * k);
     if (block_tiles < 1) block_tiles = 1;
@@ -257,10 +316,8 @@ void gemm_f32(float* y, const float* x, const float* packed, const float* bias, 
                 const float* panel = packed + p * k * F32_PANEL;
                 for (int64_t t = first; t < last; t++) {
                     const int64_t r = f32_tile_start(t, q, rem);
-                    switch ((int)f32_tile_height(t, q, rem)) {
-                        F32_TILE_CASE(1) F32_TILE_CASE(2) F32_TILE_CASE(3) F32_TILE_CASE(4) F32_TILE_CASE(5)
-                        default: f32_tile(y + r * n, xt + r * k, panel, bias, p, n, k, F32_TILE_ROWS);
-                    }
+                    f32_tile_rows(y + r * n, xt + r * k, panel, bias, p, n, k, (int)f32_tile_height(t, q, rem),
+                                  gated);
                 }
             }
         }
@@ -271,7 +328,7 @@ void gemm_f32(float* y, const float* x, const float* packed, const float* bias, 
 int f32_gemm_available(void) { return 0; }
 
 void gemm_f32(float* y, const float* x, const float* packed, const float* bias, int64_t m, int64_t n, int64_t k,
-              int num_threads) {
-    (void)y, (void)x, (void)packed, (void)bias, (void)m, (void)n, (void)k, (void)num_threads;
+              int gated, int num_threads) {
+    (void)y, (void)x, (void)packed, (void)bias, (void)m, (void)n, (void)k, (void)gated, (void)num_threads;
 }
 #endif

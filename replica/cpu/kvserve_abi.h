@@ -77,7 +77,7 @@ int f32_gemm_available(void);
 int64_t packed_f32_weight_elements(int64_t n, int64_t k);
 void pack_f32_weight(float* dst, const float* w, int64_t n, int64_t k);
 void gemm_f32(float* y, const float* x, const float* packed, const float* bias, int64_t m, int64_t n, int64_t k,
-              int num_threads);
+              int gated, int num_threads);
 
 /* decoder.c */
 void decoder_forward(const DecoderShape* shape, const DecoderLayer* layers, const StepLayout* step, void* residual,

@@ -34,13 +34,13 @@ def pack(
     projection's."""
     weight = weight.detach()
     bias = None if bias is None else bias.detach().contiguous()
-    if kernel == GEMM_C and weight.dtype == torch.float32:
-        return ops.pack_f32_weight(weight), bias
     if kernel == GEMM_C:
-        if gated:  # gemm.c's bf16 panels pair each 16 gate rows with their up rows
-            weight = ops.interleave_gate_up(*weight.chunk(2))
-            bias = None if bias is None else ops.interleave_gate_up(*bias.chunk(2))
-        return ops.pack_bf16_weight(weight), bias
+        fp32 = weight.dtype == torch.float32
+        if gated:  # gemm.c's panels pair each 16 (bf16) or 8 (fp32) gate rows with their up rows
+            group = 8 if fp32 else 16
+            weight = ops.interleave_gate_up(*weight.chunk(2), group)
+            bias = None if bias is None else ops.interleave_gate_up(*bias.chunk(2), group)
+        return (ops.pack_f32_weight(weight) if fp32 else ops.pack_bf16_weight(weight)), bias
     if kernel == ONEDNN:
         # The reorder takes a batch-size hint; decode batches are what runs most often.
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 64), bias
@@ -57,10 +57,10 @@ def run(
 ) -> torch.Tensor:
     """x [rows, in] -> [rows, out_features]; for a gated weight, silu(gate) * up."""
     if kernel == GEMM_C and x.dtype == torch.float32:
-        y = ops.gemm_f32(x, weight, bias, 2 * out_features if gated else out_features)
-    elif kernel == GEMM_C:
+        return ops.gemm_f32(x, weight, bias, out_features, gated)
+    if kernel == GEMM_C:
         return ops.gemm_bf16(x, weight, bias, out_features, gated)
-    elif kernel == ONEDNN:
+    if kernel == ONEDNN:
         y = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     else:
         y = F.linear(x, weight, bias)

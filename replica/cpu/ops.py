@@ -80,16 +80,16 @@ def _packed(weight: torch.Tensor, num_elements, pack) -> torch.Tensor:
     return packed
 
 
-def interleave_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """Gate and up rows (weights [n, k] or biases [n]) in the order gemm_bf16's gated
-    panels read them: 16 gate rows, then the 16 matching up rows, and so on, each
-    zero-padded to a multiple of 16 rows."""
+def interleave_gate_up(gate: torch.Tensor, up: torch.Tensor, group: int) -> torch.Tensor:
+    """Gate and up rows (weights [n, k] or biases [n]) in the order gemm.c's gated panels
+    read them: `group` gate rows, then the `group` matching up rows, and so on, each
+    zero-padded to a multiple of `group` rows (16 for gemm_bf16, 8 for gemm_f32)."""
     n = gate.shape[0]
-    padded = -(-n // 16) * 16
+    padded = -(-n // group) * group
 
     def groups(t: torch.Tensor) -> torch.Tensor:
         t = torch.cat([t, t.new_zeros((padded - n, *t.shape[1:]))])
-        return t.view(padded // 16, 16, *t.shape[1:])
+        return t.view(padded // group, group, *t.shape[1:])
 
     return torch.stack([groups(gate), groups(up)], dim=1).reshape(2 * padded, *gate.shape[1:])
 
@@ -122,14 +122,19 @@ def pack_f32_weight(weight: torch.Tensor) -> torch.Tensor:
     return _packed(weight, lib.packed_f32_weight_elements, lib.pack_f32_weight)
 
 
-def gemm_f32(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
-    """x [rows, k] fp32 times the weight packed by pack_f32_weight, plus bias: [rows, n]."""
+def gemm_f32(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int, gated: bool = False
+) -> torch.Tensor:
+    """x [rows, k] fp32 times the weight packed by pack_f32_weight, plus bias: [rows, n].
+    gated: the weight (and bias) is interleave_gate_up's in groups of 8, and the result
+    silu(gate) * up [rows, n]."""
     x = x.contiguous()
     rows, k = x.shape
     out = x.new_empty((rows, n))
     load_library().gemm_f32(
-        out.data_ptr(), x.data_ptr(), packed.data_ptr(), _ptr(bias), rows, n, k, torch.get_num_threads()
-    )
+        out.data_ptr(), x.data_ptr(), packed.data_ptr(), _ptr(bias), rows, n, k, int(gated),
+        torch.get_num_threads(),
+    )  # fmt: skip
     return out
 
 
