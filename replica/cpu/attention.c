@@ -69,15 +69,19 @@ static inline __attribute__((always_inline)) void attend_impl(const Layer* L, co
                                                               const Scratch* w, const int D, const int BS) {
     const int group = L->num_heads / L->num_kv_heads;
     const int last_pos = it->first_pos + it->nrows - 1;
-    const float* restrict k = w->k;
-    const float* restrict v = w->v;
     load_queries(L, it, w, group);
     for (int b = 0; b <= last_pos / BS; b++) {
         const int64_t page = ((int64_t)it->block_table[b] * L->num_kv_heads + it->kv_head) * BS * D;
         const int key0 = b * BS;
         const int nk = last_pos + 1 - key0 < BS ? last_pos + 1 - key0 : BS;
-        load_row(w->k, L->k_cache, page, D * BS, L->is_bf16);
-        load_row(w->v, L->v_cache, page, nk * D, L->is_bf16);
+        /* fp32 pages are read where they lie; bf16 ones are widened once per block */
+        const float* restrict k = (const float*)L->k_cache + page;
+        const float* restrict v = (const float*)L->v_cache + page;
+        if (L->is_bf16) {
+            load_row(w->k, L->k_cache, page, D * BS, 1);
+            load_row(w->v, L->v_cache, page, nk * D, 1);
+            k = w->k, v = w->v;
+        }
         for (int i = 0; i < it->nrows * group; i++) {
             const int pos = it->first_pos + i / group;
             if (key0 > pos) continue; /* the whole block lies in this row's future */
