@@ -82,24 +82,36 @@ static inline __attribute__((always_inline)) void attend_impl(const Layer* L, co
             load_row(w->v, L->v_cache, page, nk * D, 1);
             k = w->k, v = w->v;
         }
-        for (int i = 0; i < it->nrows * group; i++) {
-            const int pos = it->first_pos + i / group;
-            if (key0 > pos) continue; /* the whole block lies in this row's future */
-            const int n = pos + 1 - key0 < nk ? pos + 1 - key0 : nk;
-            const float* restrict q = w->q + (int64_t)i * D;
-            vecf s[BS / VEC];
-            for (int c = 0; c < BS / VEC; c++) s[c] = (vecf){0};
+        const int nq = it->nrows * group;
+        /* Query vectors in pairs: two sets of score sums hide the FMA latency that one
+         * set waits on (an odd last vector is paired with itself). */
+        for (int i = 0; i < nq; i += 2) {
+            const int second = i + 1 < nq ? i + 1 : i;
+            if (key0 > it->first_pos + second / group) continue; /* in both rows' future */
+            const float* restrict q0 = w->q + (int64_t)i * D;
+            const float* restrict q1 = w->q + (int64_t)second * D;
+            vecf s0[BS / VEC], s1[BS / VEC];
+            for (int c = 0; c < BS / VEC; c++) s0[c] = s1[c] = (vecf){0};
             for (int d = 0; d < D; d++)
-                for (int c = 0; c < BS / VEC; c++) s[c] += q[d] * vload(k + d * BS + c * VEC);
-            float scores[BS];
-            for (int c = 0; c < BS / VEC; c++) vstore(scores + c * VEC, s[c]);
-            const float correction = softmax_update(w, i, scores, n, BS);
-            float* restrict acc = w->acc + (int64_t)i * D;
-            vecf a[D / VEC];
-            for (int c = 0; c < D / VEC; c++) a[c] = vload(acc + c * VEC) * correction;
-            for (int j = 0; j < n; j++)
-                for (int c = 0; c < D / VEC; c++) a[c] += w->p[j] * vload(v + j * D + c * VEC);
-            for (int c = 0; c < D / VEC; c++) vstore(acc + c * VEC, a[c]);
+                for (int c = 0; c < BS / VEC; c++) {
+                    const vecf kd = vload(k + d * BS + c * VEC);
+                    s0[c] += q0[d] * kd;
+                    s1[c] += q1[d] * kd;
+                }
+            float scores[2][BS];
+            for (int c = 0; c < BS / VEC; c++) vstore(scores[0] + c * VEC, s0[c]), vstore(scores[1] + c * VEC, s1[c]);
+            for (int h = 0; h < 2 && i + h < nq; h++) {
+                const int pos = it->first_pos + (i + h) / group;
+                if (key0 > pos) continue; /* the whole block lies in this row's future */
+                const int n = pos + 1 - key0 < nk ? pos + 1 - key0 : nk;
+                const float correction = softmax_update(w, i + h, scores[h], n, BS);
+                float* restrict acc = w->acc + (int64_t)(i + h) * D;
+                vecf a[D / VEC];
+                for (int c = 0; c < D / VEC; c++) a[c] = vload(acc + c * VEC) * correction;
+                for (int j = 0; j < n; j++)
+                    for (int c = 0; c < D / VEC; c++) a[c] += w->p[j] * vload(v + j * D + c * VEC);
+                for (int c = 0; c < D / VEC; c++) vstore(acc + c * VEC, a[c]);
+            }
         }
     }
     store_outputs(L, it, w, group);
