@@ -182,8 +182,8 @@ void pack_f32_weight(float* dst, const float* w, int64_t n, int64_t k) {
 #if defined(__AVX2__) && defined(__FMA__)
 int f32_gemm_available(void) { return 1; }
 
-/* scalar.h's exp_clamped, 8 lanes at a time, in intrinsics: GCC left the plain loop over
- * it scalar where it inlined it into the tile. */
+/* scalar.h's exp_clamped, 8 lanes at a time, in intrinsics: the gated epilogue is then
+ * vector code whatever GCC makes of a loop over the scalar one inlined into a tile. */
 static inline __m256 exp256(__m256 x) {
     x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
@@ -282,8 +282,8 @@ static inline int64_t f32_tile_start(int64_t t, int64_t q, int64_t rem) { return
 static inline int64_t f32_tile_height(int64_t t, int64_t q, int64_t rem) { return q + (t < rem); }
 
 /* xt [k][height] = the tile's rows x [height, k] interleaved; height is a constant in
- * each instance, so the loop over a column's rows unrolls (with the height a runtime
- * value, this copy took a fifth of a 2048-row GEMM's time over the model's shapes). */
+ * each instance, so the loop over a column's rows unrolls, which it does not for a
+ * height known only at run time. */
 static inline __attribute__((always_inline)) void f32_interleave_as(float* xt, const float* x, int64_t k,
                                                                     int height) {
     for (int64_t c = 0; c < k; c++)
@@ -303,8 +303,9 @@ static void f32_interleave(float* xt, const float* x, int64_t k, int height) {
 
 /* y [m, n] = x [m, k] W^T + bias, all contiguous fp32; W packed by pack_f32_weight; bias
  * [n] or NULL. Gated (gate and up rows interleaved by 8, bias alike): y [m, n] =
- * silu(x Wg^T + bg) * (x Wu^T + bu), as kernels.c's silu_mul computes it. The rows go in tiles of as equal heights as up to 6 allow (8 rows as 4 + 4,
- * not 6 + 2: a short tile is bound by the FMA latency, not the throughput): tile t has
+ * silu(x Wg^T + bg) * (x Wu^T + bu), by the expression of kernels.c's silu_mul. The rows
+ * go in tiles of as equal heights as up to 6 allow (8 rows as 4 + 4, not 6 + 2: a short
+ * tile is bound by the FMA latency, not the throughput): tile t has
  * q + 1 rows if t < rem, else q. Each tile is copied once into xt [k][height], the tiles
  * shared out between the threads. Then the tiles go in row blocks of about
  * F32_BLOCK_BYTES of x, and within a block each thread streams its share of the panels

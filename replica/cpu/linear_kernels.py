@@ -1,6 +1,6 @@
 """The kernels that can multiply a linear layer on CPU, each with the weight layout it
-reads: gemm.c's own kernels (bf16 on AVX512-BF16 CPUs, with a gated MLP projection's
-silu(gate) * up fused into its epilogue; fp32 on AVX2 CPUs), oneDNN with the weight
+reads: gemm.c's own kernels (bf16 on AVX512-BF16 CPUs, fp32 on AVX2 CPUs; both apply a
+gated MLP projection's silu(gate) * up in their epilogue), oneDNN with the weight
 reordered once into its blocked layout (what inductor's weight freezing does; AMX or
 AVX512 underneath), and plain F.linear.
 Which one runs at which row count is measured on the machine (kernel_choice.py)."""
