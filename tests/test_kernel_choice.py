@@ -60,6 +60,18 @@ def test_choice_between_buckets_follows_the_interpolated_times():
     assert kernel_choice.interpolated((1, 32, 128), seconds["gemm.c"], 4096) == 10.0
 
 
+def test_a_lone_win_between_two_buckets_is_not_taken():
+    """A kernel ahead of the default at one inner bucket only (noise, in the timings seen)
+    runs nowhere; ahead at two neighbouring buckets, it runs around them."""
+    buckets = (1, 32, 128, 512, 2048)
+    gemm_c = [1.0, 4.0, 10.0, 40.0, 160.0]
+    lone = fastest(buckets, {"gemm.c": gemm_c, "onednn": [2.0, 5.0, 8.0, 48.0, 190.0]})
+    assert lone.kernels == ("gemm.c",)
+    pair = fastest(buckets, {"gemm.c": gemm_c, "onednn": [2.0, 5.0, 8.0, 32.0, 190.0]})
+    assert pair.kernels == ("gemm.c", "onednn", "gemm.c")
+    assert pair.kernel_for(128) == pair.kernel_for(512) == "onednn"
+
+
 def test_buckets_cover_the_largest_step():
     assert buckets_up_to(1) == (1,)
     assert buckets_up_to(96) == (1, 8, 32, 64, 128)

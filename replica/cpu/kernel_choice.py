@@ -115,14 +115,32 @@ def fastest(buckets: tuple[int, ...], seconds: dict[str, list[float]]) -> Linear
     that flips on noise costs a second weight layout, and gemm.c is the default because
     decoder.c's one-call step loop runs only in steps where every linear chose it, which
     saves per-kernel calls a linear timed alone does not show (offline.py --kernel-ab
-    measures the whole)."""
+    measures the whole). A kernel that beats the default at one bucket only, between two
+    where it does not, takes no row counts around it: such lone wins were noise (another
+    kernel from one start-up to the next), and each costs a layout and, for its steps,
+    the one-call loop."""
     default = next(
         (k for k in (linear_kernels.GEMM_C, linear_kernels.ONEDNN) if k in seconds), next(iter(seconds))
     )
+
+    def beats_default(kernel: str, i: int) -> bool:
+        return seconds[kernel][i] * (1 + MARGIN) < seconds[default][i]
+
+    def lone_win(kernel: str, i: int) -> bool:
+        return 0 < i < len(buckets) - 1 and not (beats_default(kernel, i - 1) or beats_default(kernel, i + 1))
+
+    # kernel -> at each bucket, whether it may run at the row counts next to it
+    trusted = {k: [k == default or not lone_win(k, i) for i in range(len(buckets))] for k in seconds}
     bounds: list[int] = []
     kernels: list[str] = []
     for rows in range(1, buckets[-1] + 1):
-        times = {kernel: interpolated(buckets, s, rows) for kernel, s in seconds.items()}
+        above = min(bisect.bisect_left(buckets, rows), len(buckets) - 1)  # the buckets around rows
+        around = (max(above - 1, 0), above) if buckets[above] != rows else (above,)
+        times = {
+            kernel: interpolated(buckets, s, rows)
+            for kernel, s in seconds.items()
+            if all(trusted[kernel][i] for i in around)
+        }
         best = min(times, key=times.__getitem__)
         kernel = best if times[best] * (1 + MARGIN) < times[default] else default
         if kernels and kernels[-1] == kernel:
