@@ -237,7 +237,7 @@ static inline __attribute__((always_inline)) void f32_tile(float* y, const float
         const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - out_col)), lanes);
         for (int r = 0; r < rows; r++) {
             const __m256 gate = _mm256_add_ps(sums[r][0], gate_bias), up = _mm256_add_ps(sums[r][1], up_bias);
-            const __m256 sig = _mm256_add_ps(_mm256_set1_ps(1.0f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), gate)));
+            const __m256 sig = _mm256_add_ps(_mm256_set1_ps(1.0f), exp256(_mm256_sub_ps(zero, gate)));
             _mm256_maskstore_ps(y + r * n + out_col, mask, _mm256_mul_ps(_mm256_div_ps(gate, sig), up));
         }
         return;
