@@ -1,5 +1,6 @@
 """Offline throughput, every system side by side on the same workloads in one run:
-kvserve continuous, kvserve static, HF `generate` with static batching, transformers' own
+kvserve continuous (and with quantization="int8": kvserve_int8), kvserve static, HF
+`generate` with static batching, transformers' own
 continuous batching (`generate_batch`), and vLLM's CPU build (the peer, in its own venv).
 
 Workloads (EOS ignored; throughput counts only the tokens each request asked for):
@@ -38,6 +39,7 @@ import random
 import statistics
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -83,6 +85,18 @@ def make_mixed_workload(n: int, prompt_lens: tuple[int, int], mean: float, cap: 
 def _output_lengths(n: int, mean: float, cap: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [min(cap, max(1, round(rng.expovariate(1 / mean)))) for _ in range(n)]
+
+
+def engine_record(llm: LLM) -> dict:
+    """What a kvserve engine's weights take and what its KV cache holds."""
+    runner = llm.engine.runner
+    return {
+        "weights": asdict(runner.weights),
+        "kv_cache": {
+            "dtype": str(runner.dtype).removeprefix("torch."),
+            "tokens": runner.num_blocks * runner.block_size,
+        },
+    }
 
 
 def run_kvserve(llm: LLM, prompts, lengths) -> float:
@@ -335,6 +349,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help=f"timed runs of {', '.join(FAST_SYSTEMS)}")
     all_systems = [
         "kvserve_continuous",
+        "kvserve_int8",
         "kvserve_static",
         "hf_static",
         "hf_generate_batch",
@@ -373,18 +388,19 @@ def main() -> None:
     decoder_flops, lm_head_flops = model_flops(hf)
     cases = build_cases(args, hf.config.vocab_size)
 
-    runners = {}
+    runners, engines = {}, {}
     if "kvserve_continuous" in args.systems:
-        llm = LLM(str(model_path), **engine_args)
-        runners["kvserve_continuous"] = lambda p, n, llm=llm: run_kvserve(llm, p, n)
+        engines["kvserve_continuous"] = LLM(str(model_path), **engine_args)
+    if "kvserve_int8" in args.systems:
+        engines["kvserve_int8"] = LLM(str(model_path), quantization="int8", **engine_args)
     if "kvserve_static" in args.systems:
-        static = LLM(str(model_path), scheduling_policy="static", **engine_args)
-        runners["kvserve_static"] = lambda p, n, llm=static: run_kvserve(llm, p, n)
+        engines["kvserve_static"] = LLM(str(model_path), scheduling_policy="static", **engine_args)
     if args.kernel_ab:
         for kernel in linear_kernels.LINEAR_KERNELS:
             if linear_kernels.can_run(kernel, dtype, hf.config.hidden_size):
-                forced = LLM(str(model_path), cpu_kernels=kernel, **engine_args)
-                runners[f"kvserve_{kernel}"] = lambda p, n, llm=forced: run_kvserve(llm, p, n)
+                engines[f"kvserve_{kernel}"] = LLM(str(model_path), cpu_kernels=kernel, **engine_args)
+    for system, llm in engines.items():
+        runners[system] = lambda p, n, llm=llm: run_kvserve(llm, p, n)
     if "hf_static" in args.systems:
         runners["hf_static"] = lambda p, n: run_hf_static(hf, p, n, args.batch_size)
     # The vLLM processes must stop even on an error.
@@ -416,6 +432,7 @@ def main() -> None:
         "model": str(args.model or "bundled SmolLM2-135M-Instruct"),
         "dtype": args.dtype,
         "limits": {**limits, "kv_cache_gb": args.kv_cache_gb},
+        "kvserve_engines": {system: engine_record(llm) for system, llm in engines.items()},
         "workloads": {
             "anyscale": {
                 "num_requests": args.num_requests,

@@ -32,6 +32,12 @@ def main(argv: list[str] | None = None) -> int:
         "(cached in ~/.cache/kvserve/kernels); a name forces it, for A/B runs",
     )
     model_args.add_argument(
+        "--quantization",
+        default=None,
+        choices=["int8"],
+        help="int8: each decoder linear's weight in int8, its activations quantized per token (CPU)",
+    )
+    model_args.add_argument(
         "--tensor-parallel-size",
         type=int,
         default=1,
@@ -231,6 +237,7 @@ def _batch(args: argparse.Namespace) -> int:
             "revision": args.revision,
             "dtype": args.dtype,
             "cpu_kernels": args.cpu_kernels,
+            "quantization": args.quantization,
             "kv_cache_memory_gb": args.kv_cache_memory_gb,
             "tensor_parallel_size": args.tensor_parallel_size,
             "speculative_config": args.speculative_config,
@@ -284,6 +291,7 @@ def _generate(args: argparse.Namespace) -> int:
             args.model,
             dtype=args.dtype,
             cpu_kernels=args.cpu_kernels,
+            quantization=args.quantization,
             revision=args.revision,
             tensor_parallel_size=args.tensor_parallel_size,
         )
@@ -490,6 +498,7 @@ class _Server:
                 engine_args={
                     "dtype": args.dtype,
                     "cpu_kernels": args.cpu_kernels,
+                    "quantization": args.quantization,
                     "kv_cache_memory_gb": args.kv_cache_memory_gb,
                     "cpu_cores": _cpu_cores(args.cpu_cores, args.replicas),
                     "tensor_parallel_size": args.tensor_parallel_size,

@@ -9,6 +9,8 @@ SCHEDULING_POLICIES = ("fcfs", "priority", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flash_attn")
 CPU_KERNEL_CHOICES = ("auto", "gemm.c", "onednn", "torch")
+# vLLM's names. int8: int8 weights, activations quantized per token (replica/cpu/int8.py).
+QUANTIZATIONS = (None, "int8")
 
 
 @dataclass
@@ -57,6 +59,10 @@ class EngineConfig:
     # machine (replica/cpu/kernel_choice.py; timings cached in ~/.cache/kvserve/kernels).
     # "gemm.c", "onednn" or "torch" force one, for A/B runs.
     cpu_kernels: str = "auto"
+    # Weight quantization at load, vLLM's argument. "int8": each decoder linear's weight
+    # in int8 with one scale per output row, its activations quantized per token at each
+    # step, and lm_head's alike; CPU only for now. The embeddings stay in `dtype`.
+    quantization: str | None = None
     # LoRA adapters (replica/lora/), vLLM's arguments: max_loras adapters in one step,
     # each of rank <= max_lora_rank; max_cpu_loras adapters kept loaded (None: max_loras),
     # the least recently used one dropped past it.
@@ -109,6 +115,12 @@ class EngineConfig:
                 raise ValueError(f'cpu_cores must be "auto" or a list of core numbers, got {cores!r}')
         if self.cpu_kernels not in CPU_KERNEL_CHOICES:
             raise ValueError(f"cpu_kernels must be one of {CPU_KERNEL_CHOICES}, got {self.cpu_kernels!r}")
+        if self.quantization == "fp8":
+            raise ValueError(
+                "quantization='fp8' is not implemented yet: kvserve runs quantization='int8' (on CPU)"
+            )
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
 

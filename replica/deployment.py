@@ -130,6 +130,7 @@ class LLMServer:
         """Engine figures. Reads engine state, so it runs on the engine thread."""
         s = self.engine.stats()
         config = self.engine.config
+        weights = self.engine.runner.weights
         spec = config.speculative_config
         return ReplicaReport(
             node_id=self.node_id,
@@ -156,6 +157,9 @@ class LLMServer:
             spec_decode=s.spec_decode,  # a copy: the push thread pickles it as the engine steps
             cpu_affinity=sorted(os.sched_getaffinity(0)),  # the engine thread's
             torch_threads=torch.get_num_threads(),
+            weight_dtype=weights.quantization or weights.dtype,
+            weight_bytes=weights.linear_bytes + weights.other_bytes,
+            kv_cache_dtype=str(self.engine.runner.dtype).removeprefix("torch."),
         )
 
     def _build_report(self) -> ReplicaReport:

@@ -29,10 +29,11 @@ from replica.attention import (
     register_backend,
 )
 from replica.attention.select import CPU_KERNELS, cpu_kernels_built, triton_interpret
+from replica.checkpoint_quantization import attach_weight_scales, checkpoint_quantization, dense_copy
 from replica.config import EngineConfig
 from replica.cpu import ops as cpu_ops
 from replica.cpu.affinity import CorePlan
-from replica.cpu.decoder import optimize_for_cpu
+from replica.cpu.decoder import PACKABLE_DTYPES, optimize_for_cpu
 from replica.cpu.kernel_choice import KernelChooser
 from replica.cuda_graphs import DecodeGraphRunner
 from replica.devices import resolve_device, resolve_dtype
@@ -50,6 +51,7 @@ from replica.lora.weights import AdapterWeights
 from replica.model_loader import ModelNotFoundError
 from replica.parallel.group import TPGroup
 from replica.parallel.sharding import num_kv_heads, shard_model
+from replica.weights_summary import WeightsSummary
 
 logger = logging.getLogger(__name__)
 
@@ -92,10 +94,25 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         name = _attention_backend_name(config, self.device, self.dtype)
+        quantization, checkpoint = config.quantization, checkpoint_quantization(model_path)
+        if checkpoint:
+            if quantization not in (None, checkpoint):
+                raise ValueError(f"quantization={quantization!r}, but the checkpoint is {checkpoint}")
+            if group is not None:
+                raise ValueError("a pre-quantized checkpoint does not yet work with tensor_parallel_size > 1")
+            quantization, model_path = checkpoint, dense_copy(model_path)
+        if quantization and not (name == CPU_KERNELS and self.dtype in PACKABLE_DTYPES):
+            raise ValueError(
+                f"quantization={quantization!r} runs on CPU with kvserve's CPU kernels in float32 "
+                f"or bfloat16; this engine has the {name} attention backend on {self.device.type} in "
+                f"{self.dtype}"
+            )
         self.backend = load_backend(name)
         # The engine's KV manager must use this, not config.block_size.
         self.block_size = effective_block_size(name, config.block_size)
         self.model = _load_causal_lm(model_path, self.dtype, register_backend(self.backend))
+        if checkpoint:
+            attach_weight_scales(self.model, model_path)
         hf = self.model.config
         # This rank's; shard before packing, on the host.
         if group is None:
@@ -107,7 +124,9 @@ class ModelRunner:
         self.model.to(self.device).eval()
         fused = None
         if name == CPU_KERNELS:
-            chooser = KernelChooser(config.cpu_kernels, max_rows=config.max_num_batched_tokens)
+            chooser = KernelChooser(
+                config.cpu_kernels, max_rows=config.max_num_batched_tokens, quantization=quantization
+            )
             fused = optimize_for_cpu(
                 self.model, chooser, max_logit_rows=config.max_num_seqs, lora=config.enable_lora
             )
@@ -142,6 +161,12 @@ class ModelRunner:
         # One block more than the pool hands out: padded rows of graph batches write there.
         self.scratch_block = self.num_blocks
         self.kv_caches = self.kv_layout.allocate(self.num_blocks + 1)
+        self.weights = WeightsSummary.of(self.model, quantization)
+        logger.info(
+            "weights: %s; KV cache: %s, %d blocks of %d tokens (%d tokens)",
+            self.weights.describe(), str(self.dtype).removeprefix("torch."), self.num_blocks,
+            self.block_size, self.num_blocks * self.block_size,
+        )  # fmt: skip
         # A request must fit the whole KV cache on its own, or it could never finish.
         limits = [config.max_model_len, getattr(hf, "max_position_embeddings", None)]
         self.max_model_len = min(x for x in [*limits, self.num_blocks * self.block_size] if x)

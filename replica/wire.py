@@ -101,6 +101,11 @@ class ReplicaReport:
     num_preemptions: int
     cpu_affinity: list[int]  # the engine thread's cores
     torch_threads: int
+    # What the weights are stored in (the quantization, else the model's dtype) and take
+    # (tensor parallelism: rank 0's share), and what the KV cache holds.
+    weight_dtype: str = ""
+    weight_bytes: int = 0
+    kv_cache_dtype: str = ""
     # LoRA: the adapters loaded here (least recently used first), those of running and of
     # waiting requests, and how many one step can serve (0: enable_lora is off).
     loras: list[str] = field(default_factory=list)

@@ -133,7 +133,9 @@ class OpenAIIngress(GrpcAPI):
 
     @app.get("/v1/models", responses={401: ERROR_401})
     async def models(self, request: Request) -> dict:
-        """The base model, then each LoRA adapter, whose parent is the base model (vLLM's cards)."""
+        """The base model, then each LoRA adapter, whose parent is the base model (vLLM's
+        cards). The base model's card also says, from a replica's report, what its weights
+        are stored in and take, and its KV cache's dtype and capacity in tokens."""
         self.frontend.check_auth(request.headers.get("authorization"))
         max_model_len = await self._max_model_len()
         base = {
@@ -145,6 +147,13 @@ class OpenAIIngress(GrpcAPI):
             "parent": None,
             "max_model_len": max_model_len,
         }
+        report = next(iter((await self._snapshot()).values()), None)
+        if report is not None:
+            base["weights"] = {"dtype": report.weight_dtype, "bytes": report.weight_bytes}
+            base["kv_cache"] = {
+                "dtype": report.kv_cache_dtype,
+                "tokens": report.num_total_blocks * report.block_size,
+            }
         adapters = [
             {**base, "id": lora.lora_name, "root": lora.lora_path, "parent": self.model_name}
             for lora in await self.frontend.adapters.all()

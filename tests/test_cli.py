@@ -25,13 +25,29 @@ def _kvserve(*args):
     )
 
 
-def test_generate_streams_text():
+@pytest.mark.parametrize("quantization", [[], ["--quantization", "int8"]], ids=["float32", "int8"])
+def test_generate_streams_text(quantization):
     result = _kvserve(
-        "generate", "What is the capital of France?", "--max-tokens", "12", "--dtype", "float32"
+        "generate",
+        "What is the capital of France?",
+        "--max-tokens",
+        "12",
+        "--dtype",
+        "float32",
+        *quantization,
     )
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
     assert "finish_reason=" in result.stderr
+
+
+def test_quantization_reaches_the_engine():
+    """float16 has no int8 kernels on CPU: the engine's refusal shows the flag got there."""
+    result = _kvserve("generate", "hi", "--dtype", "float16", "--quantization", "int8")
+    assert result.returncode == 2
+    assert (
+        "quantization='int8' runs on CPU with kvserve's CPU kernels in float32 or bfloat16" in result.stderr
+    )
 
 
 def test_bad_model_is_a_clear_error(tmp_path):
@@ -81,8 +97,9 @@ def test_speculative_config_reaches_the_batch_engine_args(monkeypatch, tmp_path,
     monkeypatch.setattr(ray, "init", lambda **kwargs: None)
     monkeypatch.setattr(ray, "shutdown", lambda: None)
     batch = ["batch", str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl")]
-    assert main([*batch, "--speculative-config", NGRAM]) == 0
+    assert main([*batch, "--speculative-config", NGRAM, "--quantization", "int8"]) == 0
     assert given["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 4}
+    assert given["quantization"] == "int8"
     given.clear()
     assert main([*batch, "--speculative-config", NGRAM, "--tensor-parallel-size", "2"]) == 2
     assert not given

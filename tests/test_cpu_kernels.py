@@ -339,8 +339,8 @@ def _header_prototypes() -> dict[str, tuple[list, object]]:
     header = next(h for h in build.HEADERS if h.name == "kvserve_abi.h")
     text = re.sub(r"/\*.*?\*/", "", header.read_text(), flags=re.S)
     text = re.sub(r"typedef struct \{.*?\} \w+;", "", text, flags=re.S)
-    scalars = {"void": None, "int": ctypes.c_int, "int64_t": ctypes.c_int64, "float": ctypes.c_float,
-               "size_t": ctypes.c_size_t}  # fmt: skip
+    scalars = {"void": None, "int": ctypes.c_int, "int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64,
+               "float": ctypes.c_float, "size_t": ctypes.c_size_t}  # fmt: skip
     structs = {s.__name__: ctypes.POINTER(s) for s in (abi.StepLayout, abi.DecoderShape, abi.DecoderLayer)}
 
     def ctype(declaration: str):

@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 import ray
-from conftest import SERVE_HTTP_PORT, undeploy
+from conftest import SERVE_HTTP_PORT, undeploy, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
@@ -46,6 +46,11 @@ def test_models_and_health(client, base_url):
         assert health.json() == {"status": "warming up"}
         time.sleep(0.2)
     assert health.status_code == 200 and health.json() == {"status": "ok"}
+    # The card says what the weights and the KV cache hold, once a replica has reported.
+    wait_for(lambda: "weights" in httpx.get(f"{base_url}/v1/models").json()["data"][0])
+    card = httpx.get(f"{base_url}/v1/models").json()["data"][0]
+    assert card["weights"]["dtype"] == "float32" and card["weights"]["bytes"] > 135e6 * 4
+    assert card["kv_cache"]["dtype"] == "float32" and card["kv_cache"]["tokens"] > 1000
 
 
 def test_completion_matches_offline_greedy(client, llm_fp32):

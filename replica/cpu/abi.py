@@ -26,7 +26,8 @@ class DecoderLayer(ctypes.Structure):
     _fields_ = [
         (name, _ptr)
         for name in ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up", "gate_up_bias",
-                     "down", "down_bias", "k_cache", "v_cache")
+                     "down", "down_bias", "qkv_scale", "o_scale", "gate_up_scale", "down_scale", "k_cache",
+                     "v_cache")
     ]  # fmt: skip
 
 
@@ -35,7 +36,7 @@ class DecoderShape(ctypes.Structure):
 
     _fields_ = [
         *((name, _int) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim",
-                                    "intermediate", "block_size", "is_bf16")),
+                                    "intermediate", "block_size", "is_bf16", "is_int8")),
         ("eps", _float), ("scale", _float), ("final_norm", _ptr),
     ]  # fmt: skip
 

@@ -1,5 +1,5 @@
-"""Build the C kernels (kernels.c, attention.c, attention_paired.c, gemm.c, decoder.c)
-once per machine and load them with ctypes, bound as kvserve_abi.h declares them.
+"""Build the C kernels (kernels.c, attention.c, attention_paired.c, gemm.c, gemm_int8.c,
+decoder.c) once per machine and load them with ctypes, bound as kvserve_abi.h declares them.
 
 The library is compiled for the CPU it runs on (-march=native), so it is built where it
 is used, not shipped: the first engine on a machine compiles it (a few seconds) into
@@ -23,10 +23,11 @@ from replica.model_loader import cache_root
 
 SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("kernels.c", "attention.c", "attention_paired.c", "gemm.c", "decoder.c")
+    for name in ("kernels.c", "attention.c", "attention_paired.c", "gemm.c", "gemm_int8.c", "decoder.c")
 ]
 HEADERS = [
-    Path(__file__).with_name(name) for name in ("kvserve_abi.h", "avx512_bf16.h", "scalar.h", "attention.h")
+    Path(__file__).with_name(name)
+    for name in ("kvserve_abi.h", "avx512_bf16.h", "avx2_exp.h", "scalar.h", "attention.h")
 ]
 FLAGS = [
     "-O3",
@@ -143,6 +144,11 @@ SIGNATURES = {
     "packed_f32_weight_elements": ([_i64, _i64], _i64),
     "pack_f32_weight": ([_p, _p, _i64, _i64], None),
     "gemm_f32": ([_p, _p, _p, _p, _i64, _i64, _i64, _i32, _i32], None),
+    "i8_gemm_available": ([], _i32),
+    "activation_limit": ([_i64], _i32),
+    "packed_i8_weight_bytes": ([_i64, _i64], _i64),
+    "pack_i8_weight": ([_p, _p, _i64, _i64], None),
+    "gemm_i8": ([_p, _p, _p, _p, _p, _i64, _i64, _i64, _i32, _i32], None),
     "decoder_forward": ([_SHAPE, _LAYERS, _STEP, _p, _p, _p, _p, _i64, _p, _p, _i32], None),
     "decoder_scratch_elements": ([_SHAPE, _i64], _i64),
     "kvserve_decoder_layer_size": ([], _size),

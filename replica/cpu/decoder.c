@@ -1,7 +1,8 @@
 /* A whole decoder step of the Llama family in bf16 or fp32 (shape->is_bf16), in one
- * call: every layer's norms and MLP activation (kernels.c), GEMMs (gemm.c) and paged
- * attention (attention.c), in the order and with the rounding points of decoder.py's
- * Python loop over the same kernels, which it replaces where it can (see FusedDecoder).
+ * call: every layer's norms and MLP activation (kernels.c), GEMMs (gemm.c, or gemm_int8.c
+ * for int8 weights) and paged attention (attention.c), in the order and with the rounding
+ * points of decoder.py's Python loop over the same kernels, which it replaces where it
+ * can (see FusedDecoder).
  *
  * Why: a step calls eight kernels per layer. From Python each call costs a few
  * microseconds of argument handling and tensor allocation, while the other threads spin
@@ -18,11 +19,14 @@ static void keep_rows(char* x, int64_t row_bytes, const int64_t* rows, int64_t k
         if (rows[r] != r) memmove(x + r * row_bytes, x + rows[r] * row_bytes, (size_t)row_bytes);
 }
 
-/* y [m, n] = x [m, k] W^T + b through gemm.c's kernel for the model's dtype; gated: the
- * gate/up projection's silu(gate) * up (its weights packed as SiluMLP packs them). */
-static void linear(int is_bf16, void* y, const void* x, const void* w, const void* b, int64_t m, int64_t n,
-                   int64_t k, int gated, int num_threads) {
-    if (is_bf16)
+/* y [m, n] = x [m, k] W^T + b through gemm.c's kernel for the model's dtype, or
+ * gemm_int8.c's for int8 weights (w_scale: theirs); gated: the gate/up projection's
+ * silu(gate) * up (its weights packed as SiluMLP packs them). */
+static void linear(const DecoderShape* shape, void* y, const void* x, const void* w, const float* w_scale,
+                   const void* b, int64_t m, int64_t n, int64_t k, int gated, int num_threads) {
+    if (shape->is_int8)
+        gemm_i8(y, x, w, w_scale, b, m, n, k, gated, num_threads);
+    else if (shape->is_bf16)
         gemm_bf16(y, x, w, b, m, n, k, gated, num_threads);
     else
         gemm_f32(y, x, w, b, m, n, k, gated, num_threads);
@@ -51,7 +55,7 @@ void decoder_forward(const DecoderShape* shape, const DecoderLayer* layers, cons
         /* The previous layer's MLP output joins the skip connection, then the norm. */
         rms_norm(normed, i == 0 ? residual : projected, i == 0 ? NULL : residual, L->input_norm, rows_now, E,
                  shape->eps, bf, num_threads);
-        linear(bf, qkv, normed, L->qkv, L->qkv_bias, rows_now, qkv_width, E, 0, num_threads);
+        linear(shape, qkv, normed, L->qkv, L->qkv_scale, L->qkv_bias, rows_now, qkv_width, E, 0, num_threads);
         paged_attention(attended, qkv, qkv_width, D, qkv + q_width * size, qkv_width, D,
                         qkv + (q_width + kv_width) * size, qkv_width, D, cos, sin, L->k_cache, L->v_cache, step,
                         shape->num_heads, shape->num_kv_heads, (int)D, shape->block_size, shape->scale, bf,
@@ -62,10 +66,10 @@ void decoder_forward(const DecoderShape* shape, const DecoderLayer* layers, cons
             keep_rows(residual, E * size, rows, num_rows);
             rows_now = num_rows;
         }
-        linear(bf, projected, attended, L->o, L->o_bias, rows_now, E, q_width, 0, num_threads);
+        linear(shape, projected, attended, L->o, L->o_scale, L->o_bias, rows_now, E, q_width, 0, num_threads);
         rms_norm(normed, projected, residual, L->post_norm, rows_now, E, shape->eps, bf, num_threads);
-        linear(bf, act, normed, L->gate_up, L->gate_up_bias, rows_now, I, E, 1, num_threads);
-        linear(bf, projected, act, L->down, L->down_bias, rows_now, E, I, 0, num_threads);
+        linear(shape, act, normed, L->gate_up, L->gate_up_scale, L->gate_up_bias, rows_now, I, E, 1, num_threads);
+        linear(shape, projected, act, L->down, L->down_scale, L->down_bias, rows_now, E, I, 0, num_threads);
     }
     rms_norm(out, projected, residual, shape->final_norm, rows_now, E, shape->eps, bf, num_threads);
 }

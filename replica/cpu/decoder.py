@@ -114,6 +114,9 @@ def optimize_for_cpu(
         setattr(model, prefix, fused)  # drops transformers' layers and their unpacked weights
     output = model.get_output_embeddings()
     if isinstance(output, nn.Linear):
+        # Quantized like the decoder's linears (bench/quantization.py measures what that
+        # costs), in a layout of its own even where its weight is the embeddings', which
+        # stay in the model's dtype: a lookup reads one row a token.
         model.set_output_embeddings(PackedLinear.of(output, chooser, max_logit_rows))
     _swap_children(model, chooser)
     return fused

@@ -49,6 +49,10 @@ STREAMED_BYTES = 128 << 20
 MIN_TIMED_S = 0.002  # a timing repeats one call until this much time has passed
 ROUNDS = 3  # timings per candidate; the best counts
 MARGIN = 0.1  # how much faster than the default kernel (fastest()) another kernel must be
+# A kernel this many times slower than the fastest at one bucket is not timed at larger
+# ones (its time there counts as infinite): torch's int8 kernel on a CPU without AVX-512
+# takes seconds a call at 2048 rows.
+GIVE_UP_RATIO = 4.0
 
 
 @dataclass(frozen=True)
@@ -57,10 +61,20 @@ class LinearShape:
     in_features: int
     dtype: torch.dtype
     gated: bool = False
+    quantization: str | None = None  # "int8": the int8 kernels run it too
 
     def key(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
+        if self.quantization:
+            dtype = f"{self.quantization}/{dtype}"
         return f"linear {dtype} {self.out_features}x{self.in_features}{' gated' if self.gated else ''}"
+
+    def kernels(self) -> tuple[str, ...]:
+        """The candidates, in the order of preference that fastest() breaks ties by: a
+        quantized linear's unquantized kernels stay candidates, for the row counts where
+        they measure faster than every int8 one."""
+        quantized = linear_kernels.INT8_KERNELS if self.quantization == "int8" else ()
+        return quantized + linear_kernels.LINEAR_KERNELS
 
 
 @dataclass(frozen=True)
@@ -110,18 +124,18 @@ def fastest(buckets: tuple[int, ...], seconds: dict[str, list[float]]) -> Linear
     """The fastest kernel at every row count up to the last bucket; seconds[kernel][i] is
     its time at buckets[i], and times in between are interpolated: a step's rows fall
     anywhere between the buckets, and the kernel that wins at a bucket's upper end can
-    lose well below it. The default (gemm.c where it runs, else oneDNN, else the first
-    kernel) keeps a row count unless another kernel beats it by more than MARGIN: a choice
-    that flips on noise costs a second weight layout, and gemm.c is the default because
-    decoder.c's one-call step loop runs only in steps where every linear chose it, which
-    saves per-kernel calls a linear timed alone does not show (offline.py --kernel-ab
-    measures the whole). A kernel that beats the default at one bucket only, between two
-    where it does not, takes no row counts around it: such lone wins were noise (another
-    kernel from one start-up to the next), and each costs a layout and, for its steps,
-    the one-call loop."""
-    default = next(
-        (k for k in (linear_kernels.GEMM_C, linear_kernels.ONEDNN) if k in seconds), next(iter(seconds))
-    )
+    lose well below it. The default (an int8 kernel where one was timed, else gemm.c
+    where it runs, else oneDNN, else the first kernel) keeps a row count unless another
+    kernel beats it by more than MARGIN: a choice that flips on noise costs a second
+    weight layout (for a quantized linear, a float one beside the int8 one), and gemm.c
+    (or its int8 kernel) is the default because decoder.c's one-call step loop runs only
+    in steps where every linear chose it, which saves per-kernel calls a linear timed
+    alone does not show (offline.py --kernel-ab measures the whole). A kernel that beats
+    the default at one bucket only, between two where it does not, takes no row counts
+    around it: such lone wins were noise (another kernel from one start-up to the next),
+    and each costs a layout and, for its steps, the one-call loop."""
+    preferred = (*linear_kernels.INT8_KERNELS, linear_kernels.GEMM_C, linear_kernels.ONEDNN)
+    default = next((k for k in preferred if k in seconds), next(iter(seconds)))
 
     def beats_default(kernel: str, i: int) -> bool:
         return seconds[kernel][i] * (1 + MARGIN) < seconds[default][i]
@@ -187,6 +201,7 @@ def time_linears(kernels: list[str], shape: LinearShape, buckets: tuple[int, ...
         for kernel in kernels
     }
     times: dict[str, list[float]] = {kernel: [] for kernel in kernels}
+    timed = list(kernels)
     for rows in buckets:
         x = torch.randn(rows, shape.in_features, generator=g).to(shape.dtype)
 
@@ -194,8 +209,11 @@ def time_linears(kernels: list[str], shape: LinearShape, buckets: tuple[int, ...
             w, b = next(layouts[kernel])
             linear_kernels.run(kernel, x, w, b, out_features, shape.gated)
 
-        for kernel, seconds in _time_rounds({k: functools.partial(call, k) for k in kernels}).items():
-            times[kernel].append(seconds)
+        measured = _time_rounds({k: functools.partial(call, k) for k in timed})
+        for kernel in kernels:
+            times[kernel].append(measured.get(kernel, float("inf")))
+        best = min(measured.values())
+        timed = [k for k in timed if measured[k] <= GIVE_UP_RATIO * best]
     return times
 
 
@@ -234,11 +252,18 @@ class KernelChooser:
     """Measures (or reads from the cache) and remembers what it chose, for the start-up
     log line. One per model load; `save` writes new timings back to the cache."""
 
-    def __init__(self, forced: str = "auto", max_rows: int = ROW_BUCKETS[-1], cache_dir: Path | None = None):
-        """max_rows: the most rows a step gives a linear (the token budget)."""
+    def __init__(
+        self,
+        forced: str = "auto",
+        max_rows: int = ROW_BUCKETS[-1],
+        cache_dir: Path | None = None,
+        quantization: str | None = None,
+    ):
+        """max_rows: the most rows a step gives a linear (the token budget). quantization:
+        the engine's; every linear PackedLinear.choose chooses for runs its kernels."""
         if forced not in CPU_KERNEL_CHOICES:
             raise ValueError(f"cpu_kernels must be one of {CPU_KERNEL_CHOICES}, got {forced!r}")
-        self.forced, self.max_rows = forced, max_rows
+        self.forced, self.max_rows, self.quantization = forced, max_rows, quantization
         self.machine = {**fingerprint(), "kernels": library_key()}  # a changed kernel is timed again
         key = hashlib.sha256(json.dumps(self.machine, sort_keys=True).encode()).hexdigest()[:16]
         cache_dir = cache_dir or Path(os.environ.get("KVSERVE_KERNEL_CACHE") or cache_root() / "kernels")
@@ -251,18 +276,18 @@ class KernelChooser:
     def linear(self, shape: LinearShape, max_rows: int | None = None) -> LinearChoice:
         """The kernel per row count for a linear of `shape` in steps of up to max_rows
         (default: the chooser's)."""
-        runnable = [
-            k
-            for k in linear_kernels.LINEAR_KERNELS
-            if linear_kernels.can_run(k, shape.dtype, shape.in_features)
-        ]
+        runnable = [k for k in shape.kernels() if linear_kernels.can_run(k, shape.dtype, shape.in_features)]
+        if shape.quantization and not set(runnable) & set(linear_kernels.INT8_KERNELS):
+            raise ValueError(f"no {shape.quantization} kernel can run a {shape.key()} here")
         if self.forced != "auto":
-            if self.forced not in runnable:
+            # A quantized linear forced to "gemm.c" or "torch" runs that kernel's int8 version.
+            kernel = f"{shape.quantization} {self.forced}" if shape.quantization else self.forced
+            if kernel not in runnable:
                 raise ValueError(
                     f"cpu_kernels={self.forced!r} cannot run a {shape.key()} here "
                     f"(this CPU and dtype can run: {', '.join(runnable)})"
                 )
-            choice = LinearChoice.forced(self.forced)
+            choice = LinearChoice.forced(kernel)
         else:
             buckets = buckets_up_to(max_rows or self.max_rows)
             seconds = self._timed(

@@ -31,16 +31,19 @@ typedef struct {
 } StepLayout;
 
 /* One decoder layer's weights (packed by pack_bf16_weight or pack_f32_weight, in the
- * model's dtype; biases may be NULL) and KV cache. */
+ * model's dtype, or by pack_i8_weight with their fp32 scales; biases may be NULL) and KV
+ * cache. */
 typedef struct {
     const void *input_norm, *post_norm;
     const void *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias;
+    const float *qkv_scale, *o_scale, *gate_up_scale, *down_scale; /* int8 weights' only */
     void *k_cache, *v_cache;
 } DecoderLayer;
 
-/* The model's shapes, the same in every layer, and its dtype: bf16 or fp32. */
+/* The model's shapes, the same in every layer, its dtype (bf16 or fp32) and whether the
+ * linears' weights are int8 (gemm_i8's, for fp32 models). */
 typedef struct {
-    int num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size, is_bf16;
+    int num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size, is_bf16, is_int8;
     float eps, scale;
     const void* final_norm;
 } DecoderShape;
@@ -78,6 +81,14 @@ int64_t packed_f32_weight_elements(int64_t n, int64_t k);
 void pack_f32_weight(float* dst, const float* w, int64_t n, int64_t k);
 void gemm_f32(float* y, const float* x, const float* packed, const float* bias, int64_t m, int64_t n, int64_t k,
               int gated, int num_threads);
+
+/* gemm_int8.c: int8 weights (int8_t) and their fp32 scales, fp32 x and y */
+int i8_gemm_available(void);
+int32_t activation_limit(int64_t k);
+int64_t packed_i8_weight_bytes(int64_t n, int64_t k);
+void pack_i8_weight(int8_t* dst, const int8_t* w, int64_t n, int64_t k);
+void gemm_i8(float* y, const float* x, const int8_t* packed, const float* w_scale, const float* bias, int64_t m,
+             int64_t n, int64_t k, int gated, int num_threads);
 
 /* decoder.c */
 void decoder_forward(const DecoderShape* shape, const DecoderLayer* layers, const StepLayout* step, void* residual,

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from replica.attention.context import get_forward_context
-from replica.cpu import linear_kernels, ops
+from replica.cpu import int8, linear_kernels, ops
+from replica.cpu.int8 import Int8Weight
 from replica.cpu.kernel_choice import KernelChooser, LinearChoice, LinearShape
 
 
@@ -31,46 +32,67 @@ class PackedLinear(nn.Module):
         choice: LinearChoice,
         group=None,
         gated: bool = False,
+        scale: torch.Tensor | None = None,
     ):
         """group: a tensor-parallel TPGroup whose ranks' outputs are summed (a row-split
         linear, replica/parallel/sharding.py); None for a whole linear. gated: weight and
-        bias are the gate's rows, then the up projection's."""
+        bias are the gate's rows, then the up projection's. scale: a pre-quantized
+        checkpoint's per-row scales, which int8 kernels quantize with."""
         super().__init__()
         self.group, self.gated, self.choice = group, gated, choice
         self.in_features, self.out_features = weight.shape[1], weight.shape[0] // (2 if gated else 1)
         # Only the layouts of kernels that win at some row count: memory is not doubled for
         # a kernel that never runs.
-        self.layouts = {kernel: linear_kernels.pack(kernel, weight, bias, gated) for kernel in choice.used()}
+        self.layouts = {
+            kernel: linear_kernels.pack(kernel, weight, bias, gated, scale) for kernel in choice.used()
+        }
         self._only = next(iter(self.layouts)) if len(self.layouts) == 1 else None
 
     @staticmethod
     def choose(
         chooser: KernelChooser, weight: torch.Tensor, gated: bool, max_rows: int | None = None
     ) -> LinearChoice:
-        return chooser.linear(LinearShape(weight.shape[0], weight.shape[1], weight.dtype, gated), max_rows)
+        shape = LinearShape(weight.shape[0], weight.shape[1], weight.dtype, gated, chooser.quantization)
+        return chooser.linear(shape, max_rows)
 
     @classmethod
     def of(cls, linear: nn.Linear, chooser: KernelChooser, max_rows: int | None = None) -> "PackedLinear":
         choice = cls.choose(chooser, linear.weight, False, max_rows)
-        return cls(linear.weight, linear.bias, choice, getattr(linear, "group", None))
+        scale = getattr(linear, "weight_scale", None)
+        return cls(linear.weight, linear.bias, choice, getattr(linear, "group", None), scale=scale)
 
     @classmethod
     def concat(cls, linears: list[nn.Linear], chooser: KernelChooser, gated: bool = False) -> "PackedLinear":
         """One GEMM for several projections of the same input (outputs side by side)."""
         weight = torch.cat([m.weight for m in linears])
         choice = cls.choose(chooser, weight, gated)
-        if all(m.bias is None for m in linears):
-            return cls(weight, None, choice, gated=gated)
-        biases = [m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears]
-        return cls(weight, torch.cat(biases), choice, gated=gated)
+        scale = None  # a checkpoint's scales, where it quantized some of them; the others' own
+        if any(hasattr(m, "weight_scale") for m in linears):
+            scale = torch.cat(
+                [
+                    m.weight_scale if hasattr(m, "weight_scale") else int8.quantize_per_row(m.weight)[1]
+                    for m in linears
+                ]
+            )
+        bias = None
+        if any(m.bias is not None for m in linears):
+            bias = torch.cat(
+                [m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears]
+            )
+        return cls(weight, bias, choice, gated=gated, scale=scale)
 
     @classmethod
     def gated(cls, gate: nn.Linear, up: nn.Linear, chooser: KernelChooser) -> "PackedLinear":
         return cls.concat([gate, up], chooser, gated=True)
 
-    def layout(self, kernel: str) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    def layout(self, kernel: str) -> tuple[torch.Tensor | Int8Weight, torch.Tensor | None] | None:
         """(weight, bias) as `kernel` reads them, or None where it never runs here."""
         return self.layouts.get(kernel)
+
+    def weight_bytes(self) -> int:
+        """What the layouts of its weight hold in memory (biases aside)."""
+        return sum(w.nbytes() if isinstance(w, Int8Weight) else w.numel() * w.element_size()
+                   for w, _ in self.layouts.values())  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)

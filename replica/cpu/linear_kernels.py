@@ -2,19 +2,26 @@
 reads: gemm.c's own kernels (bf16 on AVX512-BF16 CPUs, fp32 on AVX2 CPUs; both apply a
 gated MLP projection's silu(gate) * up in their epilogue), oneDNN with the weight
 reordered once into its blocked layout (what inductor's weight freezing does; AMX or
-AVX512 underneath), and plain F.linear.
+AVX512 underneath), and plain F.linear. With quantization="int8", also the two int8
+kernels of int8.py, which quantize the weight as they lay it out.
 Which one runs at which row count is measured on the machine (kernel_choice.py)."""
 
 import torch
 from torch.nn import functional as F
 
-from replica.cpu import ops
+from replica.cpu import int8, ops
 
 GEMM_C, ONEDNN, TORCH = "gemm.c", "onednn", "torch"
+INT8_GEMM_C, INT8_TORCH = "int8 gemm.c", "int8 torch"
 LINEAR_KERNELS = (GEMM_C, ONEDNN, TORCH)
+INT8_KERNELS = (INT8_GEMM_C, INT8_TORCH)
 
 
 def can_run(kernel: str, dtype: torch.dtype, in_features: int) -> bool:
+    if kernel == INT8_GEMM_C:
+        return dtype == torch.float32 and int8.i8_gemm_available()
+    if kernel == INT8_TORCH:
+        return True
     if kernel == GEMM_C:
         if dtype == torch.float32:
             return ops.f32_gemm_available()
@@ -28,12 +35,23 @@ def can_run(kernel: str, dtype: torch.dtype, in_features: int) -> bool:
 
 
 def pack(
-    kernel: str, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    kernel: str,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    gated: bool,
+    scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | int8.Int8Weight, torch.Tensor | None]:
     """(weight, bias) laid out for `kernel`. gated: the rows are the gate's, then the up
-    projection's."""
+    projection's. scale: per-row scales an int8 kernel quantizes with (a pre-quantized
+    checkpoint's; None: its own)."""
     weight = weight.detach()
     bias = None if bias is None else bias.detach().contiguous()
+    if kernel == INT8_GEMM_C:
+        if gated and bias is not None:
+            bias = ops.interleave_gate_up(*bias.chunk(2), 8)
+        return int8.pack_for_gemm_i8(weight, gated, scale), bias
+    if kernel == INT8_TORCH:
+        return int8.pack_for_torch(weight, scale), bias
     if kernel == GEMM_C:
         fp32 = weight.dtype == torch.float32
         if gated:  # gemm.c's panels pair each 16 (bf16) or 8 (fp32) gate rows with their up rows
@@ -50,17 +68,21 @@ def pack(
 def run(
     kernel: str,
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | int8.Int8Weight,
     bias: torch.Tensor | None,
     out_features: int,
     gated: bool,
 ) -> torch.Tensor:
     """x [rows, in] -> [rows, out_features]; for a gated weight, silu(gate) * up."""
-    if kernel == GEMM_C and x.dtype == torch.float32:
+    if kernel == INT8_GEMM_C:
+        return int8.gemm_i8(x, weight, bias, out_features, gated)
+    if kernel == INT8_TORCH:
+        y = int8.mm_torch(x, weight, bias)
+    elif kernel == GEMM_C and x.dtype == torch.float32:
         return ops.gemm_f32(x, weight, bias, out_features, gated)
-    if kernel == GEMM_C:
+    elif kernel == GEMM_C:
         return ops.gemm_bf16(x, weight, bias, out_features, gated)
-    if kernel == ONEDNN:
+    elif kernel == ONEDNN:
         y = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     else:
         y = F.linear(x, weight, bias)

@@ -1,9 +1,10 @@
 """decoder.c's whole-step loop for FusedDecoder: the layers' weight pointers gathered
 once, and the KV cache's once per cache, in abi.py's mirrors of decoder.c's structs.
 
-It runs where every linear has a layout for gemm.c's kernel (bf16 on AVX512-BF16 CPUs,
-fp32 on AVX2 ones) and the layers have no parts it lacks (tensor-parallel reductions,
-Qwen3's q/k norms), and only in steps whose every linear chose gemm.c at the step's row
+It runs where every linear has a layout for one of the kernels decoder.c calls (gemm.c's:
+bf16 on AVX512-BF16 CPUs, fp32 on AVX2 ones; or gemm_int8.c's, for an fp32 model with
+int8 weights) and the layers have no parts it lacks (tensor-parallel reductions, Qwen3's
+q/k norms), and only in steps whose every linear chose that kernel at the step's row
 count and whose attention the C kernel does entirely (not fresh prefills that SDPA
 attends where it measured faster). Anywhere else FusedDecoder's Python loop runs the
 kernels chosen for the step."""
@@ -16,7 +17,8 @@ from replica.attention.context import get_forward_context
 from replica.cpu import ops
 from replica.cpu.abi import DecoderLayer, DecoderShape
 from replica.cpu.build import load_library
-from replica.cpu.linear_kernels import GEMM_C
+from replica.cpu.int8 import Int8Weight
+from replica.cpu.linear_kernels import GEMM_C, INT8_GEMM_C
 
 
 class NativeDecoder:
@@ -25,6 +27,7 @@ class NativeDecoder:
         attention, mlp = fused.attentions[0], fused.mlps[0]
         self.hidden = fused.norm.weight.shape[0]
         self.dtype = fused.norm.weight.dtype
+        self.kernel = _kernel(fused)
         self.block_size = None  # from the KV cache, with the layers' cache pointers
         self._shape_args = dict(
             num_layers=len(fused.attentions),
@@ -34,6 +37,7 @@ class NativeDecoder:
             head_dim=attention.head_dim,
             intermediate=mlp.gate_up.out_features,
             is_bf16=int(self.dtype == torch.bfloat16),
+            is_int8=int(self.kernel == INT8_GEMM_C),
             eps=fused.norm.eps,
             scale=attention.scaling,
             final_norm=fused.norm.weight.data_ptr(),
@@ -43,17 +47,17 @@ class NativeDecoder:
             dict(
                 input_norm=norm_in.weight,
                 post_norm=norm_post.weight,
-                **_packed("qkv", attn.qkv),
-                **_packed("o", attn.o_proj),
-                **_packed("gate_up", mlp.gate_up),
-                **_packed("down", mlp.down),
+                **_packed("qkv", attn.qkv, self.kernel),
+                **_packed("o", attn.o_proj, self.kernel),
+                **_packed("gate_up", mlp.gate_up, self.kernel),
+                **_packed("down", mlp.down, self.kernel),
             )  # fmt: skip
             for norm_in, attn, norm_post, mlp in zip(
                 fused.input_norms, fused.attentions, fused.post_norms, fused.mlps, strict=True
             )
         ]
         self._layers, self._caches_seen = None, None
-        self._all_gemm_c: dict[int, bool] = {}  # rows -> every linear runs gemm.c there
+        self._all_native: dict[int, bool] = {}  # rows -> every linear runs self.kernel there
         self._scratch = torch.empty(0, dtype=self.dtype)
         self._lib = load_library()
 
@@ -65,7 +69,8 @@ class NativeDecoder:
             return False
         first = fused.attentions[0]
         return (
-            all(m.layout(GEMM_C) is not None and m.group is None for m in linears)
+            _kernel(fused) is not None
+            and all(m.group is None for m in linears)
             and all(a.q_norm is None and a.k_norm is None for a in fused.attentions)
             and fused.norm.weight.dtype in (torch.bfloat16, torch.float32)
             and all(n.weight.dtype == fused.norm.weight.dtype and n.eps == fused.norm.eps for n in norms)
@@ -81,7 +86,7 @@ class NativeDecoder:
     ):
         """residual [T, E] (the embeddings; overwritten) -> final hidden states [R, E], or
         None where this step's linears or attention need the Python loop."""
-        if not self._runs_gemm_c(residual.shape[0]):
+        if not self._runs_native(residual.shape[0]):
             return None
         ctx = get_forward_context()
         layout, fresh_runs = ops.step_layout(ctx.metadata)
@@ -102,10 +107,10 @@ class NativeDecoder:
         )  # fmt: skip
         return out
 
-    def _runs_gemm_c(self, rows: int) -> bool:
-        if rows not in self._all_gemm_c:
-            self._all_gemm_c[rows] = all(m.choice.kernel_for(rows) == GEMM_C for m in self._linears)
-        return self._all_gemm_c[rows]
+    def _runs_native(self, rows: int) -> bool:
+        if rows not in self._all_native:
+            self._all_native[rows] = all(m.choice.kernel_for(rows) == self.kernel for m in self._linears)
+        return self._all_native[rows]
 
     def _bind(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> DecoderShape:
         """The layers' struct array with this KV cache, rebuilt when the cache changes."""
@@ -130,6 +135,19 @@ def _linears(fused) -> list:
     return linears + [m for mlp in fused.mlps for m in (mlp.gate_up, mlp.down)]
 
 
-def _packed(name: str, linear) -> dict:
-    weight, bias = linear.layout(GEMM_C)
+def _kernel(fused) -> str | None:
+    """The kernel decoder.c runs the linears with: gemm_int8.c's where every linear has
+    int8 weights (an fp32 model), else gemm.c's where every linear has its layout."""
+    linears = _linears(fused)
+    fp32 = fused.norm.weight.dtype == torch.float32
+    for kernel in (INT8_GEMM_C, GEMM_C) if fp32 else (GEMM_C,):
+        if all(m.layout(kernel) is not None for m in linears):
+            return kernel
+    return None
+
+
+def _packed(name: str, linear, kernel: str) -> dict:
+    weight, bias = linear.layout(kernel)
+    if isinstance(weight, Int8Weight):
+        return {name: weight.weight, f"{name}_bias": bias, f"{name}_scale": weight.scale}
     return {name: weight, f"{name}_bias": bias}

@@ -41,6 +41,8 @@ class TensorParallelRunner:
         self.num_blocks = self.rank0.num_blocks
         self.max_model_len = self.rank0.max_model_len
         self.vocab_size = self.rank0.vocab_size
+        self.dtype = self.rank0.dtype
+        self.weights = self.rank0.weights
 
     def use_cores(self, plan: CorePlan) -> None:
         """Rank 0's steps only: each worker is a process of its own."""

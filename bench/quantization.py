@@ -1,0 +1,147 @@
+"""Quantization against the unquantized model (in --dtype, and in --also-dtypes), side
+by side in one process: what the linears take in memory, perplexity on a held-out
+English text through the engine's own prompt logprobs, greedy answers to factual
+prompts, and single-stream decode speed, timed in turns.
+
+The text is the first --tokens tokens of /usr/share/common-licenses/GPL-3 (every Debian
+machine has it; nobody tuned on it).
+
+    python bench/quantization.py --dtype float32 --out bench/results/quantization_cpu.json
+"""
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from bench.machine import machine  # noqa: E402
+from bench.offline import engine_record  # noqa: E402
+from replica import LLM, SamplingParams  # noqa: E402
+
+TEXT = Path("/usr/share/common-licenses/GPL-3")
+# Each prompt's greedy answer must contain its word.
+FACTS = [
+    ("The capital of France is", "Paris"),
+    ("The largest planet in the solar system is", "Jupiter"),
+    ("The chemical symbol for gold is", "Au"),
+    ("The first man to walk on the moon was", "Armstrong"),
+    ("The capital of Japan is", "Tokyo"),
+    ("The capital of Italy is", "Rome"),
+]
+
+
+def perplexity(llm: LLM, token_ids: list[int]) -> float:
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
+    out = llm.generate([token_ids], params, use_tqdm=False)[0]
+    logprobs = [entry.logprob for entry in out.prompt_logprobs[1:]]
+    return math.exp(-sum(logprobs) / len(logprobs))
+
+
+def answers(llm: LLM) -> list[dict]:
+    params = SamplingParams(max_tokens=16, temperature=0)
+    outs = llm.generate([prompt for prompt, _ in FACTS], params, use_tqdm=False)
+    return [
+        {"prompt": prompt, "expected": word, "answer": out.text, "correct": word in out.text}
+        for (prompt, word), out in zip(FACTS, outs, strict=True)
+    ]
+
+
+def decode_seconds_per_token(llm: LLM, tokens: int) -> float:
+    """Wall time of one request of `tokens` output tokens after an 8-token prompt, per token."""
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    start = time.perf_counter()
+    llm.generate([[1, 504, 3458, 282, 4649, 314, 253, 2012]], params, use_tqdm=False)
+    return (time.perf_counter() - start) / tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the engines'")
+    parser.add_argument(
+        "--also-dtypes",
+        nargs="*",
+        default=["bfloat16"],
+        help="unquantized engines in other dtypes, beside --dtype's (bf16 is emulated on CPUs "
+        "without AVX512-BF16)",
+    )
+    parser.add_argument("--quantizations", nargs="+", default=["int8"])
+    parser.add_argument("--tokens", type=int, default=2048, help="of the held-out text")
+    parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=5, help="timed decodes of each engine, in turns")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "quantization_cpu.json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    # name -> engine; "float32" (--dtype) is the baseline every ratio is against.
+    engines = {
+        dtype: LLM(args.model, dtype=dtype, max_model_len=args.tokens + 64)
+        for dtype in dict.fromkeys([args.dtype, *args.also_dtypes])
+    }
+    for q in args.quantizations:
+        engines[q] = LLM(args.model, dtype=args.dtype, quantization=q, max_model_len=args.tokens + 64)
+    token_ids = engines[args.dtype].tokenizer.encode(TEXT.read_text())[: args.tokens]
+
+    results = {}
+    for name, llm in engines.items():
+        results[name] = {
+            **engine_record(llm),
+            "perplexity": perplexity(llm, token_ids),
+            "answers": answers(llm),
+        }
+        decode_seconds_per_token(llm, 8)  # warm-up
+    times = {name: [] for name in engines}
+    for _ in range(args.repeats):
+        for name, llm in engines.items():
+            times[name].append(decode_seconds_per_token(llm, args.decode_tokens))
+    for name in results:
+        results[name]["decode_s_per_token"] = statistics.median(times[name])
+        results[name]["decode_s_per_token_runs"] = times[name]
+    for name, row in results.items():
+        row["vs"] = {
+            base: {
+                "linear_bytes": row["weights"]["linear_bytes"] / results[base]["weights"]["linear_bytes"],
+                "perplexity": row["perplexity"] / results[base]["perplexity"],
+                "decode_speedup": results[base]["decode_s_per_token"] / row["decode_s_per_token"],
+            }
+            for base in [args.dtype, *args.also_dtypes]
+        }
+        ratio = row["vs"][args.dtype]
+        print(
+            f"{name}: linears {row['weights']['linear_bytes'] / 2**20:.1f} MiB "
+            f"({ratio['linear_bytes']:.3f}x), "
+            f"perplexity {row['perplexity']:.3f} ({ratio['perplexity']:.4f}x), decode "
+            f"{1 / row['decode_s_per_token']:.1f} tok/s ({ratio['decode_speedup']:.2f}x), "
+            f"answers {sum(a['correct'] for a in row['answers'])}/{len(FACTS)}"
+        )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(
+        json.dumps(
+            {
+                "benchmark": "quantization",
+                "machine": machine(threads=args.threads),
+                "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                "text": {"path": str(TEXT), "tokens": len(token_ids)},
+                "results": results,
+            },
+            indent=1,
+        )
+    )
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""What a loaded model's weights take, for the start-up log and the benchmarks' records:
+the linears (the decoder's and lm_head, which carry the quantization), in every layout
+their kernels read, apart from the rest (embeddings and norms, in the model's dtype)."""
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from replica.cpu.layers import PackedLinear
+
+
+@dataclass
+class WeightsSummary:
+    quantization: str | None  # the engine's; None: the linears are in the model's dtype
+    dtype: str  # the model's
+    linear_bytes: int
+    other_bytes: int
+
+    @classmethod
+    def of(cls, model: nn.Module, quantization: str | None) -> "WeightsSummary":
+        linears = [m for m in model.modules() if isinstance(m, PackedLinear | nn.Linear)]
+        counted = {id(p) for m in linears for p in m.parameters(recurse=False)}
+        other = sum(_nbytes(p) for p in model.parameters() if id(p) not in counted)
+        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        return cls(quantization, dtype, sum(_linear_bytes(m) for m in linears), other)
+
+    def describe(self) -> str:
+        mib = 2**20
+        return (
+            f"linears in {self.quantization or self.dtype} {self.linear_bytes / mib:.1f} MiB, "
+            f"the rest in {self.dtype} {self.other_bytes / mib:.1f} MiB"
+        )
+
+
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size()
+
+
+def _linear_bytes(module: nn.Module) -> int:
+    """A packed linear's layouts (the unpacked weight, if tied to the embeddings, is not its)."""
+    if isinstance(module, PackedLinear):
+        return module.weight_bytes()
+    return sum(_nbytes(p) for p in module.parameters(recurse=False))
