@@ -3,15 +3,16 @@ kvserve runs it.
 
 kvserve runs compressed-tensors checkpoints (the format llm-compressor writes and vLLM
 loads) whose linears hold int8 weights, symmetric, one scale per output row (or one
-per tensor): llm-compressor's W8A8-INT8 and W8A16-INT8 schemes. Such a checkpoint runs
-as quantization="int8". It is converted once, as a GGUF file is (model_loader.py): a
-dense float32 copy that transformers loads, beside the checkpoint's scales, which
-PackedLinear gets back (`weight_scale` on each linear), so the int8 kernels multiply
-the checkpoint's own int8 weights: float32 holds q * scale closely enough that
-round(w / scale) is q again. Activations are quantized per token at run time, whatever
-the checkpoint says about them (a static input scale is not used). Any other format
-(GPTQ, AWQ, bitsandbytes, FP8, 4-bit compressed-tensors) is refused with an error that
-names it."""
+per tensor), in the int-quantized (or naive-quantized) format: llm-compressor's
+W8A8-INT8 scheme (its W8A16 scheme packs the int8 weights into int32s, pack-quantized,
+which is refused for now). Such a checkpoint runs as quantization="int8". It is
+converted once, as a GGUF file is (model_loader.py): a dense float32 copy that
+transformers loads, beside the checkpoint's scales, which PackedLinear gets back
+(`weight_scale` on each linear), so the int8 kernels multiply the checkpoint's own int8
+weights: float32 holds q * scale closely enough that round(w / scale) is q again.
+Activations are quantized per token at run time, whatever the checkpoint says about
+them (a static input scale is not used). Any other format (GPTQ, AWQ, bitsandbytes,
+FP8, 4-bit or packed compressed-tensors) is refused with an error that names it."""
 
 import hashlib
 import json
