@@ -137,7 +137,7 @@ class OpenAIIngress(GrpcAPI):
         cards). The base model's card also says, from a replica's report, what its weights
         are stored in and take, and its KV cache's dtype and capacity in tokens."""
         self.frontend.check_auth(request.headers.get("authorization"))
-        max_model_len = await self._max_model_len()
+        snapshot = await self._snapshot()
         base = {
             "id": self.model_name,
             "object": "model",
@@ -145,9 +145,9 @@ class OpenAIIngress(GrpcAPI):
             "owned_by": "kvserve",
             "root": self.model_root,
             "parent": None,
-            "max_model_len": max_model_len,
+            "max_model_len": self._context_window(snapshot),
         }
-        report = next(iter((await self._snapshot()).values()), None)
+        report = next(iter(snapshot.values()), None)
         if report is not None:
             base["weights"] = {"dtype": report.weight_dtype, "bytes": report.weight_bytes}
             base["kv_cache"] = {
@@ -186,7 +186,8 @@ class OpenAIIngress(GrpcAPI):
         self.frontend.check_auth(request.headers.get("authorization"))
         await self.frontend.resolve_model(body.model)  # an adapter tokenizes as its base model
         tokens = await self.frontend.in_tokenizer_thread(self._tokenize, body)
-        return {"count": len(tokens), "max_model_len": await self._max_model_len(), "tokens": tokens}
+        max_model_len = self._context_window(await self._snapshot())
+        return {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens}
 
     @app.post("/detokenize", responses={400: ERROR_400, 401: ERROR_401, 404: ERROR_404})
     async def detokenize(self, body: DetokenizeRequest, request: Request) -> dict:
@@ -229,9 +230,8 @@ class OpenAIIngress(GrpcAPI):
             self.coordinator = get_coordinator(self._coordinator_address)
             return {}
 
-    async def _max_model_len(self) -> int | None:
+    def _context_window(self, snapshot: dict[str, ReplicaReport]) -> int | None:
         """The replicas' context window (they size it from their KV cache), else the model's."""
-        snapshot = await self._snapshot()
         lengths = [report.max_model_len for report in snapshot.values()]
         return min(lengths) if lengths else self.config_max_len
 

@@ -205,13 +205,18 @@ def test_greedy_equals_hf_on_the_quantized_model(tmp_path, tokenizer, monkeypatc
     # int8 layouts of every linear (lm_head too: a quarter of fp32's bytes, plus scales)
     fp32_linear_bytes = 4 * sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     assert weights.linear_bytes < 0.27 * fp32_linear_bytes
-    prompts = [tokenizer(t).input_ids for t in ["Hello there, how are you today?", "x", "One two three four"]]
+    texts = ["Hello there, how are you today?", "x", "One two three four"]
+    assert_greedy_equals_quantized_hf(llm, model, [tokenizer(t).input_ids for t in texts], 10)
+
+
+def assert_greedy_equals_quantized_hf(llm: LLM, model, prompts: list[list[int]], max_tokens: int) -> None:
+    """`llm`'s greedy tokens are HF `generate`'s on `model` with fake_quantized products."""
     outputs = llm.generate(
-        prompts, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True), use_tqdm=False
+        prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True), use_tqdm=False
     )
     reference = fake_quantized(model)
     for prompt, output in zip(prompts, outputs, strict=True):
-        assert output.outputs[0].token_ids == hf_greedy(reference, prompt, 10, set())
+        assert output.outputs[0].token_ids == hf_greedy(reference, prompt, max_tokens, set())
 
 
 @needs_gemm_i8

@@ -7,9 +7,8 @@ import json
 
 import pytest
 import torch
-from conftest import hf_greedy
 from test_gpu_path import TINY
-from test_int8 import fake_quantized, needs_gemm_i8
+from test_int8 import assert_greedy_equals_quantized_hf, needs_gemm_i8
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from bench.compressed_checkpoint import save_compressed
@@ -68,12 +67,7 @@ def test_greedy_equals_hf_on_the_dequantized_checkpoint(tiny, tmp_path, tokenize
             module.weight.copy_(q.float() * module.weight_scale[:, None])
     llm = LLM(str(checkpoint), dtype="float32", block_size=4, max_num_batched_tokens=16, cpu_kernels="gemm.c")
     prompts = [tokenizer(t).input_ids for t in ["Hello there, how are you today?", "x"]]
-    outputs = llm.generate(
-        prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False
-    )
-    reference = fake_quantized(reference)
-    for prompt, output in zip(prompts, outputs, strict=True):
-        assert output.outputs[0].token_ids == hf_greedy(reference, prompt, 8, set())
+    assert_greedy_equals_quantized_hf(llm, reference, prompts, 8)
 
 
 @needs_gemm_i8

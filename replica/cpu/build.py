@@ -27,7 +27,7 @@ SOURCES = [
 ]
 HEADERS = [
     Path(__file__).with_name(name)
-    for name in ("kvserve_abi.h", "avx512_bf16.h", "avx2_exp.h", "scalar.h", "attention.h")
+    for name in ("kvserve_abi.h", "avx512_bf16.h", "avx2_exp.h", "pair_panels.h", "scalar.h", "attention.h")
 ]
 FLAGS = [
     "-O3",

@@ -24,25 +24,17 @@
 #endif
 
 #include "kvserve_abi.h"
+#include "pair_panels.h"
 
 #define PANEL 32    /* output rows per panel: two 16-lane vectors */
 #define TILE_ROWS 12 /* rows of x per tile: 12 x 2 accumulators, 2 weight vectors */
 #define ROW_CHUNK 384 /* rows of x per pass over the weights when there are many */
 
-int64_t packed_bf16_weight_elements(int64_t n, int64_t k) {
-    return (n + PANEL - 1) / PANEL * PANEL * ((k + 1) / 2 * 2);
-}
+int64_t packed_bf16_weight_elements(int64_t n, int64_t k) { return pair_panels_elements(n, k, PANEL); }
 
-/* w [n, k] row-major -> [panel][k / 2][PANEL][2], zero-padded to whole panels. */
+/* w [n, k] row-major -> [panel][k / 2][PANEL][2] (pair_panels.h). */
 void pack_bf16_weight(bf16* dst, const bf16* w, int64_t n, int64_t k) {
-    const int64_t pairs = (k + 1) / 2, panels = (n + PANEL - 1) / PANEL;
-    for (int64_t panel = 0; panel < panels; panel++)
-        for (int64_t p = 0; p < pairs; p++)
-            for (int64_t i = 0; i < PANEL; i++)
-                for (int64_t j = 0; j < 2; j++) {
-                    const int64_t row = panel * PANEL + i, col = 2 * p + j;
-                    dst[((panel * pairs + p) * PANEL + i) * 2 + j] = row < n && col < k ? w[row * k + col] : 0;
-                }
+    pack_pair_panels(dst, w, n, k, PANEL, sizeof(bf16));
 }
 
 #if defined(__AVX512BF16__)

@@ -25,25 +25,17 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include "kvserve_abi.h"
+#include "pair_panels.h"
 
 #define I8_PANEL 16
 #define I8_TILE_ROWS 6
 #define I8_BLOCK_BYTES (192 << 10) /* of quantized x per row block: stays in L2 while the panels pass */
 
-int64_t packed_i8_weight_bytes(int64_t n, int64_t k) {
-    return (n + I8_PANEL - 1) / I8_PANEL * I8_PANEL * ((k + 1) / 2 * 2);
-}
+int64_t packed_i8_weight_bytes(int64_t n, int64_t k) { return pair_panels_elements(n, k, I8_PANEL); }
 
-/* w [n, k] row-major -> [panel][k / 2][I8_PANEL][2], zero-padded to whole panels and k-pairs. */
+/* w [n, k] row-major -> [panel][k / 2][I8_PANEL][2] (pair_panels.h). */
 void pack_i8_weight(int8_t* dst, const int8_t* w, int64_t n, int64_t k) {
-    const int64_t pairs = (k + 1) / 2, panels = (n + I8_PANEL - 1) / I8_PANEL;
-    for (int64_t panel = 0; panel < panels; panel++)
-        for (int64_t p = 0; p < pairs; p++)
-            for (int64_t i = 0; i < I8_PANEL; i++)
-                for (int64_t j = 0; j < 2; j++) {
-                    const int64_t row = panel * I8_PANEL + i, col = 2 * p + j;
-                    dst[((panel * pairs + p) * I8_PANEL + i) * 2 + j] = row < n && col < k ? w[row * k + col] : 0;
-                }
+    pack_pair_panels(dst, w, n, k, I8_PANEL, sizeof(int8_t));
 }
 
 /* The largest |x_q| of a row of k activations: k products of up to 128 * limit (k + 1,

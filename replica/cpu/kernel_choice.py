@@ -277,8 +277,6 @@ class KernelChooser:
         """The kernel per row count for a linear of `shape` in steps of up to max_rows
         (default: the chooser's)."""
         runnable = [k for k in shape.kernels() if linear_kernels.can_run(k, shape.dtype, shape.in_features)]
-        if shape.quantization and not set(runnable) & set(linear_kernels.INT8_KERNELS):
-            raise ValueError(f"no {shape.quantization} kernel can run a {shape.key()} here")
         if self.forced != "auto":
             # A quantized linear forced to "gemm.c" or "torch" runs that kernel's int8 version.
             kernel = f"{shape.quantization} {self.forced}" if shape.quantization else self.forced
