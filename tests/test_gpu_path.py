@@ -5,6 +5,7 @@ backend runs on CPU against torch stand-ins for its two kernels, written from
 flash-attn's documented semantics. Tests that need real graphs, kernels or GPU memory
 skip without CUDA."""
 
+import copy
 import gc
 import importlib.util
 import os
@@ -384,19 +385,31 @@ def test_lora_batch_matches_peft(tiny_model, tmp_path, tokenizer, device):
 
 @needs_cuda
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_speculative_decoding_matches_plain_decoding_on_cuda(tiny_model, method):
+def test_speculative_decoding_matches_plain_decoding_on_cuda(tiny_model, tokenizer, method, tmp_path):
     """Verification steps run eagerly beside graph-replayed decode steps of the requests
     that opt out, and async scheduling pauses while a step may speculate: greedy output
-    equals the engine's without speculation, and every block comes back. The draft is
-    the target itself, so every proposed token is accepted."""
-    path, _ = tiny_model
+    equals the engine's without speculation, and every block comes back. The draft model
+    is the target itself, so every proposed token is accepted. The n-gram run's model
+    has all but 8 rows of lm_head zeroed: its greedy output draws on at most 9 tokens, so
+    its last token recurs within 10 steps and a 1-gram lookup must propose, where a
+    random model's unrepeating output would never be proposed for."""
+    path, model = tiny_model
+    if method == "ngram":
+        path = tmp_path / "few-token-llama"
+        few_token = copy.deepcopy(model)
+        with torch.no_grad():
+            few_token.lm_head.weight[8:] = 0
+        few_token.save_pretrained(path)
+        tokenizer.save_pretrained(path)
     prompts = ["one two three one two three one two", "Hi", "a b c d a b c d a b", "x y x y x"]
     params = [
         SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, speculative=i != 1)
         for i in range(len(prompts))
     ]
     spec = {"method": method, "num_speculative_tokens": 3}
-    if method == "draft_model":
+    if method == "ngram":
+        spec["prompt_lookup_min"] = 1
+    else:
         spec["model"] = str(path)
     outputs = []
     for speculative_config in (None, spec):
