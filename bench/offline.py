@@ -93,7 +93,9 @@ def engine_record(llm: LLM) -> dict:
     return {
         "weights": asdict(runner.weights),
         "kv_cache": {
-            "dtype": str(runner.dtype).removeprefix("torch."),
+            "dtype": str(runner.kv_dtype).removeprefix("torch."),
+            "blocks": runner.num_blocks,
+            "bytes_per_block": runner.bytes_per_block,
             "tokens": runner.num_blocks * runner.block_size,
         },
     }

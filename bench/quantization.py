@@ -1,7 +1,9 @@
 """Quantization against the unquantized model (in --dtype, and in --also-dtypes), side
-by side in one process: what the linears take in memory, perplexity on a held-out
-English text through the engine's own prompt logprobs, greedy answers to factual
-prompts, and single-stream decode speed, timed in turns.
+by side in one process: what the linears take in memory, the KV blocks one
+--kv-cache-memory-gb holds, perplexity on a held-out English text through the engine's
+own prompt logprobs, greedy answers to factual prompts, and single-stream decode speed,
+timed in turns. Weight quantizations (--quantizations) and KV cache dtypes
+(--kv-cache-dtypes) run alone and together.
 
 The text is the first --tokens tokens of /usr/share/common-licenses/GPL-3 (every Debian
 machine has it; nobody tuned on it).
@@ -77,7 +79,9 @@ def main() -> None:
         help="unquantized engines in other dtypes, beside --dtype's (bf16 is emulated on CPUs "
         "without AVX512-BF16)",
     )
-    parser.add_argument("--quantizations", nargs="+", default=["int8"])
+    parser.add_argument("--quantizations", nargs="*", default=["int8"])
+    parser.add_argument("--kv-cache-dtypes", nargs="*", default=["fp8"])
+    parser.add_argument("--kv-cache-memory-gb", type=float, default=0.25, help="every engine's")
     parser.add_argument("--tokens", type=int, default=2048, help="of the held-out text")
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5, help="timed decodes of each engine, in turns")
@@ -87,12 +91,22 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     # name -> engine; "float32" (--dtype) is the baseline every ratio is against.
-    engines = {
-        dtype: LLM(args.model, dtype=dtype, max_model_len=args.tokens + 64)
-        for dtype in dict.fromkeys([args.dtype, *args.also_dtypes])
-    }
+    def engine(dtype: str, **kwargs) -> LLM:
+        return LLM(
+            args.model,
+            dtype=dtype,
+            max_model_len=args.tokens + 64,
+            kv_cache_memory_gb=args.kv_cache_memory_gb,
+            **kwargs,
+        )
+
+    engines = {dtype: engine(dtype) for dtype in dict.fromkeys([args.dtype, *args.also_dtypes])}
     for q in args.quantizations:
-        engines[q] = LLM(args.model, dtype=args.dtype, quantization=q, max_model_len=args.tokens + 64)
+        engines[q] = engine(args.dtype, quantization=q)
+    for kv in args.kv_cache_dtypes:
+        engines[f"kv {kv}"] = engine(args.dtype, kv_cache_dtype=kv)
+        for q in args.quantizations:
+            engines[f"{q} + kv {kv}"] = engine(args.dtype, quantization=q, kv_cache_dtype=kv)
     token_ids = engines[args.dtype].tokenizer.encode(TEXT.read_text())[: args.tokens]
 
     results = {}
@@ -114,6 +128,7 @@ def main() -> None:
         row["vs"] = {
             base: {
                 "linear_bytes": row["weights"]["linear_bytes"] / results[base]["weights"]["linear_bytes"],
+                "kv_blocks": row["kv_cache"]["blocks"] / results[base]["kv_cache"]["blocks"],
                 "perplexity": row["perplexity"] / results[base]["perplexity"],
                 "decode_speedup": results[base]["decode_s_per_token"] / row["decode_s_per_token"],
             }
@@ -122,7 +137,8 @@ def main() -> None:
         ratio = row["vs"][args.dtype]
         print(
             f"{name}: linears {row['weights']['linear_bytes'] / 2**20:.1f} MiB "
-            f"({ratio['linear_bytes']:.3f}x), "
+            f"({ratio['linear_bytes']:.3f}x), KV blocks {row['kv_cache']['blocks']} "
+            f"({ratio['kv_blocks']:.2f}x), "
             f"perplexity {row['perplexity']:.3f} ({ratio['perplexity']:.4f}x), decode "
             f"{1 / row['decode_s_per_token']:.1f} tok/s ({ratio['decode_speedup']:.2f}x), "
             f"answers {sum(a['correct'] for a in row['answers'])}/{len(FACTS)}"

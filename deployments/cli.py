@@ -38,6 +38,13 @@ def main(argv: list[str] | None = None) -> int:
         help="int8: each decoder linear's weight in int8, its activations quantized per token (CPU)",
     )
     model_args.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+        help="the KV cache's element type; fp8 (e4m3) or fp8_e5m2 holds twice bf16's tokens in "
+        "the same memory (default auto: the model's dtype)",
+    )
+    model_args.add_argument(
         "--tensor-parallel-size",
         type=int,
         default=1,
@@ -238,6 +245,7 @@ def _batch(args: argparse.Namespace) -> int:
             "dtype": args.dtype,
             "cpu_kernels": args.cpu_kernels,
             "quantization": args.quantization,
+            "kv_cache_dtype": args.kv_cache_dtype,
             "kv_cache_memory_gb": args.kv_cache_memory_gb,
             "tensor_parallel_size": args.tensor_parallel_size,
             "speculative_config": args.speculative_config,
@@ -292,6 +300,7 @@ def _generate(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             cpu_kernels=args.cpu_kernels,
             quantization=args.quantization,
+            kv_cache_dtype=args.kv_cache_dtype,
             revision=args.revision,
             tensor_parallel_size=args.tensor_parallel_size,
         )
@@ -499,6 +508,7 @@ class _Server:
                     "dtype": args.dtype,
                     "cpu_kernels": args.cpu_kernels,
                     "quantization": args.quantization,
+                    "kv_cache_dtype": args.kv_cache_dtype,
                     "kv_cache_memory_gb": args.kv_cache_memory_gb,
                     "cpu_cores": _cpu_cores(args.cpu_cores, args.replicas),
                     "tensor_parallel_size": args.tensor_parallel_size,

@@ -11,6 +11,8 @@ ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flash_attn")
 CPU_KERNEL_CHOICES = ("auto", "gemm.c", "onednn", "torch")
 # vLLM's names. int8: int8 weights, activations quantized per token (replica/cpu/int8.py).
 QUANTIZATIONS = (None, "int8")
+# vLLM's names (replica/kv_quant.py); "auto" keeps K and V in the model's dtype.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass
@@ -63,6 +65,10 @@ class EngineConfig:
     # in int8 with one scale per output row, its activations quantized per token at each
     # step, and lm_head's alike; CPU only for now. The embeddings stay in `dtype`.
     quantization: str | None = None
+    # The KV cache's element type, vLLM's argument (replica/kv_quant.py). "auto": the model's
+    # dtype. "fp8" (e4m3, as "fp8_e4m3") or "fp8_e5m2": one byte per element, each layer's
+    # keys and values divided by a scale, so the same memory holds twice bf16's blocks.
+    kv_cache_dtype: str = "auto"
     # LoRA adapters (replica/lora/), vLLM's arguments: max_loras adapters in one step,
     # each of rank <= max_lora_rank; max_cpu_loras adapters kept loaded (None: max_loras),
     # the least recently used one dropped past it.
@@ -121,6 +127,8 @@ class EngineConfig:
             )
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
 

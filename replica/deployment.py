@@ -159,7 +159,7 @@ class LLMServer:
             torch_threads=torch.get_num_threads(),
             weight_dtype=weights.quantization or weights.dtype,
             weight_bytes=weights.linear_bytes + weights.other_bytes,
-            kv_cache_dtype=str(self.engine.runner.dtype).removeprefix("torch."),
+            kv_cache_dtype=str(self.engine.runner.kv_dtype).removeprefix("torch."),
         )
 
     def _build_report(self) -> ReplicaReport:

@@ -38,6 +38,8 @@ from replica.cpu.kernel_choice import KernelChooser
 from replica.cuda_graphs import DecodeGraphRunner
 from replica.devices import resolve_device, resolve_dtype
 from replica.input_batch import Fill, pack_inputs, rows_to_keep
+from replica.kv_calibration import calibrate_kv_scales
+from replica.kv_quant import KVScale, is_fp8, kv_cache_torch_dtype
 from replica.kv_sizing import (
     KVCacheLayout,
     KVCaches,
@@ -56,11 +58,15 @@ from replica.weights_summary import WeightsSummary
 logger = logging.getLogger(__name__)
 
 
-def _attention_backend_name(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> str:
+def _attention_backend_name(
+    config: EngineConfig, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype
+) -> str:
     installed = installed_kernel_packages()
     if device.type == "cpu" and config.attention_backend in ("auto", CPU_KERNELS) and cpu_kernels_built():
         installed |= {CPU_KERNELS}
-    name = choose_backend(config.attention_backend, device.type, dtype, installed, triton_interpret())
+    name = choose_backend(
+        config.attention_backend, device.type, dtype, installed, triton_interpret(), is_fp8(kv_dtype)
+    )
     if config.attention_backend == "auto":
         logger.info("attention backend: %s (auto, on %s)", name, device.type)
     return name
@@ -93,8 +99,10 @@ class ModelRunner:
         self.group = group
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        name = _attention_backend_name(config, self.device, self.dtype)
+        self.kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
+        name = _attention_backend_name(config, self.device, self.dtype, self.kv_dtype)
         quantization, checkpoint = config.quantization, checkpoint_quantization(model_path)
+        tokenizer_path = model_path
         if checkpoint:
             if quantization not in (None, checkpoint):
                 raise ValueError(f"quantization={quantization!r}, but the checkpoint is {checkpoint}")
@@ -114,6 +122,12 @@ class ModelRunner:
         if checkpoint:
             attach_weight_scales(self.model, model_path)
         hf = self.model.config
+        # Before sharding, so that every rank computes the same scales from the whole model.
+        self.kv_scales = (
+            calibrate_kv_scales(self.model, tokenizer_path, self.kv_dtype)
+            if is_fp8(self.kv_dtype)
+            else [KVScale()] * hf.num_hidden_layers
+        )
         # This rank's; shard before packing, on the host.
         if group is None:
             q_heads, kv_heads = hf.num_attention_heads, num_kv_heads(hf)
@@ -152,7 +166,7 @@ class ModelRunner:
         self.head_dim = head_dim
         self.vocab_size = hf.vocab_size
         self.kv_layout = KVCacheLayout(
-            self.backend, self.num_layers, self.block_size, kv_heads, head_dim, self.dtype, self.device
+            self.backend, self.num_layers, self.block_size, kv_heads, head_dim, self.kv_dtype, self.device
         )
         self.kv_caches: KVCaches = []
         self.num_blocks = config.num_kv_blocks or self._size_kv_cache(config)
@@ -164,7 +178,7 @@ class ModelRunner:
         self.weights = WeightsSummary.of(self.model, quantization)
         logger.info(
             "weights: %s; KV cache: %s, %d blocks of %d tokens (%d tokens)",
-            self.weights.describe(), str(self.dtype).removeprefix("torch."), self.num_blocks,
+            self.weights.describe(), str(self.kv_dtype).removeprefix("torch."), self.num_blocks,
             self.block_size, self.num_blocks * self.block_size,
         )  # fmt: skip
         # A request must fit the whole KV cache on its own, or it could never finish.
@@ -251,7 +265,7 @@ class ModelRunner:
     ) -> torch.Tensor:
         """The decoder over one packed [1, T] batch -> hidden states [1, T, E], or [1, R, E]
         of the R packed rows `rows` (the others' last layer is cut short, see FusedDecoder)."""
-        with forward_context(ForwardContext(self.kv_caches, meta, lora)):
+        with forward_context(ForwardContext(self.kv_caches, meta, lora, self.kv_scales)):
             return self.run_decoder(input_ids, position_ids, rows)
 
     def _forward_packed(

@@ -97,9 +97,13 @@ def test_speculative_config_reaches_the_batch_engine_args(monkeypatch, tmp_path,
     monkeypatch.setattr(ray, "init", lambda **kwargs: None)
     monkeypatch.setattr(ray, "shutdown", lambda: None)
     batch = ["batch", str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl")]
-    assert main([*batch, "--speculative-config", NGRAM, "--quantization", "int8"]) == 0
+    assert (
+        main([*batch, "--speculative-config", NGRAM, "--quantization", "int8", "--kv-cache-dtype", "fp8"])
+        == 0
+    )
     assert given["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 4}
     assert given["quantization"] == "int8"
+    assert given["kv_cache_dtype"] == "fp8"
     given.clear()
     assert main([*batch, "--speculative-config", NGRAM, "--tensor-parallel-size", "2"]) == 2
     assert not given

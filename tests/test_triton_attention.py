@@ -9,7 +9,11 @@ Tolerances, against an fp32 dense reference on the same (rounded) inputs:
 - bf16: atol/rtol 2e-2 (probabilities are rounded to bf16 before the P @ V dot, as in
   FlashAttention; outputs are rounded to bf16);
 - fp16: atol/rtol 2e-3;
-- the KV write is exact.
+- the KV write is exact, fp8 included: the bytes are replica/kv_quant.py's, computed on the
+  CPU (torch on CUDA divides by a scalar as a multiply by its reciprocal, which can round
+  differently);
+- with an fp8 cache the reference attends the dequantized keys and values (what the cache
+  holds), under the same tolerances.
 """
 
 import os
@@ -42,6 +46,7 @@ from replica.attention.triton_backend import triton_paged_attention  # noqa: E40
 from replica.attention.triton_decode import choose_num_splits, paged_decode  # noqa: E402
 from replica.attention.triton_prefill import paged_prefill  # noqa: E402
 from replica.attention.triton_write import write_kv_triton  # noqa: E402
+from replica.kv_quant import FP8_MAX, UNIT_SCALE, KVScale, dequantize_kv, quantize_kv  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -52,6 +57,9 @@ TOL = {
     torch.float16: dict(atol=2e-3, rtol=2e-3),
 }
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: real shapes and CUDA graphs")
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+# Not powers of two, so dividing by them rounds; K and V differ, so a swap would show.
+FP8_SCALE = KVScale(0.037, 0.021)
 
 
 @pytest.fixture(autouse=True)
@@ -95,12 +103,15 @@ def dense_reference(q, k, v, scale):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def fill_cache(lengths, block_size, kv_heads, head_dim, dtype, gen, spare_blocks=3):
-    """Sequences of the given lengths, fully written into scattered cache blocks.
-    Returns (k_cache, v_cache, per-sequence block lists, per-sequence [L, Hkv, D] K and V)."""
+def fill_cache(
+    lengths, block_size, kv_heads, head_dim, dtype, gen, spare_blocks=3, cache_dtype=None, kv_scale=UNIT_SCALE
+):
+    """Sequences of the given lengths, fully written into scattered cache blocks (of
+    cache_dtype, default dtype). Returns (k_cache, v_cache, per-sequence block lists,
+    per-sequence [L, Hkv, D] K and V as the cache holds them, dequantized to fp32 if fp8)."""
     num_blocks = sum(-(-n // block_size) for n in lengths) + spare_blocks
     k_cache = torch.zeros(
-        kv_cache_shape(num_blocks, block_size, kv_heads, head_dim), dtype=dtype, device=DEVICE
+        kv_cache_shape(num_blocks, block_size, kv_heads, head_dim), dtype=cache_dtype or dtype, device=DEVICE
     )
     v_cache = torch.zeros_like(k_cache)
     free = torch.randperm(num_blocks, generator=gen).tolist()
@@ -109,8 +120,14 @@ def fill_cache(lengths, block_size, kv_heads, head_dim, dtype, gen, spare_blocks
         table = [free.pop() for _ in range(-(-n // block_size))]
         k = torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype=dtype, device=DEVICE)
         v = torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype=dtype, device=DEVICE)
-        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(n)])
-        write_kv(k_cache, v_cache, k, v, slots.to(DEVICE))
+        slots = torch.tensor(
+            [table[p // block_size] * block_size + p % block_size for p in range(n)], device=DEVICE
+        )
+        write_kv(k_cache, v_cache, k, v, slots, kv_scale)
+        if k_cache.dtype != dtype:
+            blocks, offsets = slots // block_size, slots % block_size
+            k = dequantize_kv(k_cache[blocks, :, offsets], kv_scale.k, torch.float32)
+            v = dequantize_kv(v_cache[blocks, :, offsets], kv_scale.v, torch.float32)
         tables.append(table)
         keys.append(k)
         values.append(v)
@@ -144,6 +161,55 @@ def test_write_kv_matches_torch(block_size, kv_heads, head_dim, dtype):
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
 
 
+def fp8_write_inputs(cache_dtype, scale):
+    """[N] fp32 values that, divided by scale, exercise every rounding case: each finite fp8
+    value, each midpoint between neighbours (a tie) and the fp32 values around it (where a
+    division rounded differently, say as a multiply by 1 / scale, lands on the other side),
+    subnormals, random values, and ones past the format's range (saturated), inf, NaN."""
+    grid = torch.arange(256, dtype=torch.uint8).view(cache_dtype).double()
+    grid = grid[grid.isfinite()].unique()  # sorted, -0 folded into 0
+    mids = ((grid[1:] + grid[:-1]) / 2 * scale).float()
+    inf = torch.tensor(float("inf"))
+    up = down = mids
+    near = [mids]
+    for _ in range(3):
+        up, down = up.nextafter(inf), down.nextafter(-inf)
+        near += [up, down]
+    limit = FP8_MAX[cache_dtype]
+    gen = torch.Generator().manual_seed(0)
+    extremes = torch.tensor([1.01, 1.5, 1e30, float("inf"), float("nan"), 1e-40, 0.0]) * limit * scale
+    noise = torch.randn(512, generator=gen) * limit * scale / 8
+    values = [(grid * scale).float(), *near, noise, extremes, -extremes, torch.tensor([-0.0, 1e-40])]
+    return torch.cat(values)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# 0.473: its fp32 reciprocal is among the worst rounded, so multiplying by 1 / scale
+# instead of dividing writes different bytes near ties.
+@pytest.mark.parametrize("scale", [1.0, 0.037, 0.473])
+def test_write_kv_fp8_bytes_match_kv_quant(cache_dtype, dtype, scale):
+    """Bit for bit the bytes replica/kv_quant.py stores (on the CPU: see the module docstring)."""
+    kv_heads, head_dim, block_size = 4, 64, 4
+    x = fp8_write_inputs(cache_dtype, scale).to(dtype)
+    x = torch.cat([x, x.new_zeros(-x.numel() % (kv_heads * head_dim))]).view(-1, kv_heads, head_dim)
+    t = x.shape[0]
+    gen = torch.Generator().manual_seed(1)
+    slots = torch.randperm(t * block_size, generator=gen)[:t]
+    k_cache = torch.zeros(kv_cache_shape(t, block_size, kv_heads, head_dim), dtype=cache_dtype, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    kv_scale = KVScale(scale, 2 * scale)
+    write_kv_triton(k_cache, v_cache, x.to(DEVICE), x.flip(0).to(DEVICE), slots.to(DEVICE), kv_scale)
+    blocks, offsets = slots // block_size, slots % block_size
+    for cache, values, s in ((k_cache, x, kv_scale.k), (v_cache, x.flip(0), kv_scale.v)):
+        written = cache.cpu()[blocks, :, offsets].view(torch.uint8)
+        expected = quantize_kv(values, s, cache_dtype).view(torch.uint8)
+        assert torch.equal(written, expected), (
+            values[written != expected][:8],
+            written[written != expected][:8],
+        )
+
+
 def test_write_kv_skips_negative_slots():
     k_cache = torch.zeros(kv_cache_shape(4, 4, 2, 16), device=DEVICE)
     v_cache = torch.zeros_like(k_cache)
@@ -155,14 +221,29 @@ def test_write_kv_skips_negative_slots():
 # ---- decode --------------------------------------------------------------------------------
 
 
-def check_decode(lengths, block_size, heads, kv_heads, head_dim, dtype, num_splits, seed):
+def check_decode(
+    lengths,
+    block_size,
+    heads,
+    kv_heads,
+    head_dim,
+    dtype,
+    num_splits,
+    seed,
+    cache_dtype=None,
+    kv_scale=UNIT_SCALE,
+):
     gen = torch.Generator().manual_seed(seed)
-    k_cache, v_cache, tables, keys, values = fill_cache(lengths, block_size, kv_heads, head_dim, dtype, gen)
+    k_cache, v_cache, tables, keys, values = fill_cache(
+        lengths, block_size, kv_heads, head_dim, dtype, gen, cache_dtype=cache_dtype, kv_scale=kv_scale
+    )
     q = torch.randn(len(lengths), heads, head_dim, generator=gen).to(dtype=dtype, device=DEVICE)
     block_tables = padded(tables)
     context_lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
     scale = head_dim**-0.5
-    out = paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=num_splits)
+    out = paged_decode(
+        q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=num_splits, kv_scale=kv_scale
+    )
     assert out.dtype == dtype and out.shape == q.shape
     for i in range(len(lengths)):
         expected = dense_reference(q[i : i + 1], keys[i], values[i], scale)[0]
@@ -170,7 +251,7 @@ def check_decode(lengths, block_size, heads, kv_heads, head_dim, dtype, num_spli
     if dtype == torch.float32:  # and the torch backend's own decode path
         positions = torch.arange(block_tables.shape[1] * block_size, device=DEVICE)
         mask = (positions[None, :] < context_lens[:, None])[:, None, None, :]
-        expected = decode_attention(q, k_cache, v_cache, block_tables, mask, scale)
+        expected = decode_attention(q, k_cache, v_cache, block_tables, mask, scale, kv_scale)
         torch.testing.assert_close(out, expected, **TOL[dtype])
 
 
@@ -193,6 +274,15 @@ def test_decode_default_splits_and_odd_head_dim(dtype):
     check_decode([600, 33], 16, 4, 2, 24, dtype, None, seed=7)
 
 
+@pytest.mark.parametrize("cache_dtype", FP8)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_fp8_cache_matches_reference(cache_dtype, dtype, num_splits):
+    check_decode(
+        [1, 17, 75, 130], 8, 6, 2, 16, dtype, num_splits, seed=4, cache_dtype=cache_dtype, kv_scale=FP8_SCALE
+    )
+
+
 def test_decode_zero_length_row_gives_zeros():
     """CUDA-graph padding rows have context_len 0; they must not produce NaN."""
     gen = torch.Generator().manual_seed(3)
@@ -207,13 +297,26 @@ def test_decode_zero_length_row_gives_zeros():
 # ---- prefill -------------------------------------------------------------------------------
 
 
-def check_prefill(chunks, block_size, heads, kv_heads, head_dim, dtype, seed, leading_rows=3):
+def check_prefill(
+    chunks,
+    block_size,
+    heads,
+    kv_heads,
+    head_dim,
+    dtype,
+    seed,
+    leading_rows=3,
+    cache_dtype=None,
+    kv_scale=UNIT_SCALE,
+):
     """chunks: (cached tokens, new tokens) per sequence; the new tokens' KV is already in
     the cache (the backend writes before it reads). Packed after `leading_rows` decode rows
     that the kernel must leave alone."""
     gen = torch.Generator().manual_seed(seed)
     lengths = [c + n for c, n in chunks]
-    k_cache, v_cache, tables, keys, values = fill_cache(lengths, block_size, kv_heads, head_dim, dtype, gen)
+    k_cache, v_cache, tables, keys, values = fill_cache(
+        lengths, block_size, kv_heads, head_dim, dtype, gen, cache_dtype=cache_dtype, kv_scale=kv_scale
+    )
     total = leading_rows + sum(n for _, n in chunks)
     q = torch.randn(total, heads, head_dim, generator=gen).to(dtype=dtype, device=DEVICE)
     starts = [leading_rows]
@@ -231,6 +334,7 @@ def check_prefill(chunks, block_size, heads, kv_heads, head_dim, dtype, seed, le
         max(n for _, n in chunks),
         scale,
         out,
+        kv_scale,
     )
     assert out[:leading_rows].eq(7.0).all()
     for i in range(len(chunks)):
@@ -248,6 +352,13 @@ def test_prefill_matches_reference(block_size, heads, kv_heads, dtype):
     check_prefill(chunks, block_size, heads, kv_heads, 16, dtype, seed=block_size * 10 + heads)
 
 
+@pytest.mark.parametrize("cache_dtype", FP8)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_fp8_cache_matches_reference(cache_dtype, dtype):
+    chunks = [(0, 9), (12, 7), (37, 70), (5, 1)]
+    check_prefill(chunks, 8, 6, 2, 16, dtype, seed=9, cache_dtype=cache_dtype, kv_scale=FP8_SCALE)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_prefill_odd_head_dim(dtype):
     check_prefill([(20, 13), (0, 30)], 8, 6, 3, 24, dtype, seed=11, leading_rows=0)
@@ -256,12 +367,20 @@ def test_prefill_odd_head_dim(dtype):
 # ---- the backend, end to end ---------------------------------------------------------------
 
 
-def check_backend(seqs, block_size, heads, kv_heads, head_dim, dtype, seed):
+def check_backend(seqs, block_size, heads, kv_heads, head_dim, dtype, seed, cache_dtype=None, kv_scale=None):
     """seqs: (cached, new) per sequence, decode rows (new == 1, cached > 0) first. Runs both
-    backends from the same starting cache through build_metadata, as the model runner does."""
+    backends from the same starting cache through build_metadata, as the model runner does;
+    kv_scale, given, is layer 0's in the forward context."""
     gen = torch.Generator().manual_seed(seed)
     k_cache, v_cache, tables, _, _ = fill_cache(
-        [c + n for c, n in seqs], block_size, kv_heads, head_dim, dtype, gen
+        [c + n for c, n in seqs],
+        block_size,
+        kv_heads,
+        head_dim,
+        dtype,
+        gen,
+        cache_dtype=cache_dtype,
+        kv_scale=kv_scale or UNIT_SCALE,
     )
     # fill_cache wrote every position; blank the ones this step writes, so the write is tested.
     for table, (c, n) in zip(tables, seqs, strict=True):
@@ -278,12 +397,18 @@ def check_backend(seqs, block_size, heads, kv_heads, head_dim, dtype, seed):
     results = []
     for fn in (torch_paged_attention, triton_paged_attention):
         caches = (k_cache.clone(), v_cache.clone())
-        with forward_context(ForwardContext([caches], meta)):
+        scales = None if kv_scale is None else [kv_scale]
+        with forward_context(ForwardContext([caches], meta, kv_scales=scales)):
             out, _ = fn(_Layer(), query, key, value, None, scaling=head_dim**-0.5)
         results.append((out, caches))
-    (ref, ref_caches), (out, caches) = results
+    (ref, _), (out, caches) = results
     assert out.shape == (1, t, heads, head_dim) and out.dtype == dtype
-    assert all(torch.equal(a, b) for a, b in zip(caches, ref_caches, strict=True))
+    # The write, bit for bit, against the torch backend's on the CPU (see the module docstring).
+    expected = (k_cache.cpu().clone(), v_cache.cpu().clone())
+    k, v = key[0].transpose(0, 1).cpu(), value[0].transpose(0, 1).cpu()
+    write_kv(*expected, k, v, meta.slot_mapping.cpu(), kv_scale or UNIT_SCALE)
+    for cache, want in zip(caches, expected, strict=True):
+        assert torch.equal(cache.cpu().view(torch.uint8), want.view(torch.uint8))
     torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
 
 
@@ -297,6 +422,14 @@ def test_backend_matches_torch_backend(block_size, heads, kv_heads, dtype):
 
 def test_backend_prefill_only():
     check_backend([(0, 5), (30, 4)], 4, 4, 2, 16, torch.float32, seed=5)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backend_fp8_cache_matches_torch_backend(cache_dtype, dtype):
+    """A fresh prompt attends its own keys as the cache holds them, in both backends."""
+    seqs = [(5, 1), (17, 1), (1, 1), (0, 9), (12, 7), (0, 1)]
+    check_backend(seqs, 8, 6, 2, 16, dtype, seed=6, cache_dtype=cache_dtype, kv_scale=FP8_SCALE)
 
 
 # ---- real shapes, CUDA only ----------------------------------------------------------------
@@ -325,22 +458,41 @@ def test_cuda_backend_real_shapes():
 
 
 @needs_cuda
-def test_cuda_decode_graph_capture():
+@pytest.mark.parametrize("cache_dtype", FP8)
+def test_cuda_fp8_cache_real_shapes(cache_dtype):
+    fp8 = dict(cache_dtype=cache_dtype, kv_scale=FP8_SCALE)
+    lengths = [1, 100, 1000, 2048, 4096, 3001, 17, 512]
+    check_decode(lengths, 16, 32, 8, 128, torch.bfloat16, None, seed=2, **fp8)
+    check_decode(lengths[:3], 16, 14, 2, 64, torch.float32, 4, seed=3, **fp8)
+    chunks = [(0, 1000), (2048, 512), (3000, 1096), (16, 1), (0, 64)]
+    check_prefill(chunks, 16, 32, 8, 128, torch.bfloat16, seed=4, **fp8)
+    check_prefill(chunks[:2], 16, 14, 2, 64, torch.float16, seed=5, **fp8)
+    seqs = [(4000, 1), (100, 1), (2500, 1), (0, 700), (1024, 256), (3000, 33)]
+    check_backend(seqs, 16, 32, 8, 128, torch.bfloat16, seed=6, **fp8)
+
+
+@needs_cuda
+@pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn])
+def test_cuda_decode_graph_capture(cache_dtype):
     """Captured once, replayed with new lengths and tables: no host sync may hide inside."""
     gen = torch.Generator().manual_seed(0)
     lengths = [3000, 50, 1200, 7]
-    k_cache, v_cache, tables, _, _ = fill_cache(lengths + [4096], 16, 8, 128, torch.bfloat16, gen)
+    k_cache, v_cache, tables, _, _ = fill_cache(
+        lengths + [4096], 16, 8, 128, torch.bfloat16, gen, cache_dtype=cache_dtype, kv_scale=FP8_SCALE
+    )
     q = torch.randn(4, 32, 128, generator=gen).to(dtype=torch.bfloat16, device=DEVICE)
     width = 4096 // 16
     block_tables = padded([t + [0] * (width - len(t)) for t in tables[:4]])
     context_lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
-    paged_decode(q, k_cache, v_cache, block_tables, context_lens, 0.1)  # compile outside capture
+    paged_decode(
+        q, k_cache, v_cache, block_tables, context_lens, 0.1, kv_scale=FP8_SCALE
+    )  # compile outside capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = paged_decode(q, k_cache, v_cache, block_tables, context_lens, 0.1)
+        out = paged_decode(q, k_cache, v_cache, block_tables, context_lens, 0.1, kv_scale=FP8_SCALE)
     block_tables[0] = torch.tensor(tables[4], device=DEVICE)  # a different, longer sequence
     context_lens.copy_(torch.tensor([4096, 1, 1300, 0], dtype=torch.int32))
     graph.replay()
-    expected = paged_decode(q, k_cache, v_cache, block_tables, context_lens, 0.1)
+    expected = paged_decode(q, k_cache, v_cache, block_tables, context_lens, 0.1, kv_scale=FP8_SCALE)
     torch.testing.assert_close(out, expected, atol=0, rtol=0)

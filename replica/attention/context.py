@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from replica.attention.metadata import AttentionMetadata
+from replica.kv_quant import UNIT_SCALE, KVScale
 from replica.lora.batch import LoRABatch
 
 
@@ -19,6 +20,12 @@ class ForwardContext:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), layout set by the backend
     metadata: AttentionMetadata
     lora: LoRABatch | None = None  # which adapter each packed token uses (replica/lora/)
+    # Per layer, what an fp8 cache's keys and values are divided by (replica/kv_quant.py);
+    # None: every layer's is 1.
+    kv_scales: list[KVScale] | None = None
+
+    def kv_scale(self, layer: int) -> KVScale:
+        return self.kv_scales[layer] if self.kv_scales is not None else UNIT_SCALE
 
 
 _current: ForwardContext | None = None

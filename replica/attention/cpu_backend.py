@@ -34,5 +34,7 @@ def cpu_paged_attention(
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    out = ops.paged_attention(q, k, v, k_cache, v_cache, ctx.metadata, scale)
+    out = ops.paged_attention(
+        q, k, v, k_cache, v_cache, ctx.metadata, scale, kv_scale=ctx.kv_scale(module.layer_idx)
+    )
     return out.unsqueeze(0), None  # transformers expects [B, T, H, D]

@@ -47,11 +47,19 @@ def triton_interpret() -> bool:
 
 
 def backend_problem(
-    name: str, device_type: str, dtype: torch.dtype, installed: frozenset[str], interpret: bool = False
+    name: str,
+    device_type: str,
+    dtype: torch.dtype,
+    installed: frozenset[str],
+    interpret: bool = False,
+    fp8_kv: bool = False,
 ) -> str | None:
-    """Why backend `name` cannot run here, or None when it can."""
+    """Why backend `name` cannot run here, or None when it can. fp8_kv: the KV cache is
+    fp8 (kv_cache_dtype)."""
     if name == "torch":
         return None
+    if name == "flash_attn" and fp8_kv:
+        return "kvserve's flash-attn backend does not read an fp8 KV cache (triton and torch do)"
     if name == CPU_KERNELS:
         if device_type != "cpu":
             return "kvserve's C kernels run only on the CPU"
@@ -78,15 +86,18 @@ def choose_backend(
     dtype: torch.dtype,
     installed: frozenset[str],
     interpret: bool = False,
+    fp8_kv: bool = False,
 ) -> str:
     """`auto`: the best backend that runs here; a name: that backend, or a ValueError
     saying why it can't run."""
     if requested == "auto":
         order = AUTO_ORDER.get(device_type, ("torch",))
-        return next(n for n in order if backend_problem(n, device_type, dtype, installed) is None)
+        return next(
+            n for n in order if backend_problem(n, device_type, dtype, installed, fp8_kv=fp8_kv) is None
+        )
     if requested not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {requested!r}; choose one of {ATTENTION_BACKENDS}")
-    problem = backend_problem(requested, device_type, dtype, installed, interpret)
+    problem = backend_problem(requested, device_type, dtype, installed, interpret, fp8_kv)
     if problem is not None:
         raise ValueError(f"attention backend {requested!r} is unavailable: {problem}")
     return requested

@@ -4,13 +4,16 @@ the other backends are tested against.
 A layer's cache is a pair of [num_blocks, Hkv, block_size, D] tensors. Head-major blocks
 let decode attention run block by block on contiguous gathered memory: scores per block
 with one batched matmul, one softmax across all of a sequence's blocks, and a weighted
-sum back, with no permuted copy of K/V as SDPA's layout would need.
+sum back, with no permuted copy of K/V as SDPA's layout would need. An fp8 cache is
+written and read through replica/kv_quant.py, dequantized to the query's dtype as it is
+gathered.
 """
 
 import torch
 import torch.nn.functional as F
 
 from replica.attention.context import get_forward_context
+from replica.kv_quant import UNIT_SCALE, KVScale, dequantize_kv, quantize_kv
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -33,33 +36,51 @@ def torch_paged_attention(
     q = query[0].transpose(0, 1)  # [T, H, D]
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    kv_scale = ctx.kv_scale(module.layer_idx)
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping, kv_scale)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
 
     out = torch.empty_like(q)
     nd = meta.num_decodes
     if nd:
         out[:nd] = decode_attention(
-            q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_mask, scale
+            q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_mask, scale, kv_scale
         )
     for chunk in meta.prefills:
-        if chunk.block_table is None:
+        if chunk.block_table is None and k_cache.dtype == k.dtype:
             keys = k[chunk.start : chunk.end].transpose(0, 1)
             values = v[chunk.start : chunk.end].transpose(0, 1)
+        elif chunk.block_table is None:  # attend what the cache holds, as every later step will
+            keys = dequantize_kv(
+                quantize_kv(k[chunk.start : chunk.end], kv_scale.k, k_cache.dtype), kv_scale.k, q.dtype
+            )
+            values = dequantize_kv(
+                quantize_kv(v[chunk.start : chunk.end], kv_scale.v, v_cache.dtype), kv_scale.v, q.dtype
+            )
+            keys, values = keys.transpose(0, 1), values.transpose(0, 1)
         else:
-            keys = gather_context(k_cache, chunk.block_table, chunk.context_len)
-            values = gather_context(v_cache, chunk.block_table, chunk.context_len)
+            keys = dequantize_kv(
+                gather_context(k_cache, chunk.block_table, chunk.context_len), kv_scale.k, q.dtype
+            )
+            values = dequantize_kv(
+                gather_context(v_cache, chunk.block_table, chunk.context_len), kv_scale.v, q.dtype
+            )
         out[chunk.start : chunk.end] = prefill_attention(q[chunk.start : chunk.end], keys, values, scale)
     return out.unsqueeze(0), None  # transformers expects [B, T, H, D]
 
 
 def write_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+    kv_scale: KVScale = UNIT_SCALE,
 ) -> None:
     block_size = k_cache.shape[2]
     blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, :, offsets] = k.to(k_cache.dtype)
-    v_cache[blocks, :, offsets] = v.to(v_cache.dtype)
+    k_cache[blocks, :, offsets] = quantize_kv(k, kv_scale.k, k_cache.dtype)
+    v_cache[blocks, :, offsets] = quantize_kv(v, kv_scale.v, v_cache.dtype)
 
 
 def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
@@ -82,13 +103,14 @@ def decode_attention(
     block_tables: torch.Tensor,  # [B, n]
     mask: torch.Tensor,  # [B, 1, 1, n * block_size]
     scale: float,
+    kv_scale: KVScale = UNIT_SCALE,
 ) -> torch.Tensor:
     b, h, d = q.shape
     n = block_tables.shape[1]
     hkv, bs = k_cache.shape[1], k_cache.shape[2]
     g = h // hkv  # query heads per KV head (GQA)
-    keys = gather_blocks(k_cache, block_tables)  # [B, n, Hkv, bs, D]
-    values = gather_blocks(v_cache, block_tables)
+    keys = dequantize_kv(gather_blocks(k_cache, block_tables), kv_scale.k, q.dtype)  # [B, n, Hkv, bs, D]
+    values = dequantize_kv(gather_blocks(v_cache, block_tables), kv_scale.v, q.dtype)
     q = q.view(b, 1, hkv, g, d)
     scores = torch.matmul(q, keys.transpose(-1, -2))  # [B, n, Hkv, g, bs]
     scores = scores.permute(0, 2, 3, 1, 4).reshape(b, hkv, g, n * bs).float() * scale

@@ -3,7 +3,8 @@ same transformers signature) on three kernels, so the two backends are interchan
 
 Per layer: write this step's K/V into the cache, then decode rows (split-K kernel), then
 every prefill chunk in one launch. Prefill reads its own new keys back from the cache too,
-which is why the write comes first.
+which is why the write comes first (and why, with an fp8 cache, a fresh prompt attends the
+quantized keys and values, as the torch backend does).
 """
 
 import torch
@@ -31,7 +32,8 @@ def triton_paged_attention(
     q = query[0].transpose(0, 1)
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
-    write_kv_triton(k_cache, v_cache, k, v, meta.slot_mapping)
+    kv_scale = ctx.kv_scale(module.layer_idx)
+    write_kv_triton(k_cache, v_cache, k, v, meta.slot_mapping, kv_scale)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
 
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -45,6 +47,7 @@ def triton_paged_attention(
             meta.decode_context_lens,
             scale,
             out=out[:nd],
+            kv_scale=kv_scale,
         )
     if meta.prefill_query_starts is not None:
         paged_prefill(
@@ -57,5 +60,6 @@ def triton_paged_attention(
             meta.max_prefill_query_len,
             scale,
             out,
+            kv_scale,
         )
     return out.unsqueeze(0), None  # transformers expects [B, T, H, D]

@@ -16,6 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
+from replica.attention.triton_write import fp8_format, fp8_to_fp16, kernel_view, read_scales
+from replica.kv_quant import UNIT_SCALE, KVScale
+
 LOG2E = 1.4426950408889634
 BLOCK_N = 32  # keys per tile; tl.dot needs at least 16
 MIN_SPLIT_TOKENS = 256  # below this a split costs more in the merge than it saves
@@ -32,7 +35,8 @@ def _decode_split_kernel(
     out_ptr,  # [B, H, D], written directly when NUM_SPLITS == 1
     part_acc_ptr,  # [B, H, NUM_SPLITS, D] fp32, normalised partial outputs
     part_lse_ptr,  # [B, H, NUM_SPLITS] fp32, log2-sum-exp2 of each split's scores
-    qk_scale,  # softmax scale * log2(e), so exp2 replaces exp
+    qk_scale,  # softmax scale * log2(e), so exp2 replaces exp; an fp8 cache's key scale too
+    v_scale,  # an fp8 cache's value scale, applied to the output
     stride_qb,
     stride_qh,
     stride_ob,
@@ -49,6 +53,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP8_MANT: tl.constexpr,  # 0: a float cache; else the fp8 cache's mantissa bits
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -83,6 +88,8 @@ def _decode_split_kernel(
         rows = block * stride_cb + kv_head * stride_ch + (pos % BLOCK_SIZE) * stride_ct
         kv_mask = valid[:, None] & dim_mask[None, :]
         k = tl.load(k_cache_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        if FP8_MANT > 0:
+            k = fp8_to_fp16(k, FP8_MANT)
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(valid[None, :], s, float("-inf"))
 
@@ -90,14 +97,18 @@ def _decode_split_kernel(
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m - m_new)
         l_sum = l_sum * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
+        v = tl.load(v_cache_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        if FP8_MANT > 0:
+            v = fp8_to_fp16(v, FP8_MANT)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
         m = m_new
 
     # An empty split (or a zero-length padding row) leaves l_sum == 0 and m == -inf:
     # output zeros, lse -inf.
     l_sum = tl.where(l_sum > 0, l_sum, 1.0)
     acc = acc / l_sum[:, None]
+    if FP8_MANT > 0:
+        acc = acc * v_scale
     out_mask = head_mask[:, None] & dim_mask[None, :]
     if NUM_SPLITS == 1:
         out = out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :]
@@ -170,6 +181,7 @@ def paged_decode(
     scale: float,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,  # [B, H, D]; given, the result is written there
+    kv_scale: KVScale = UNIT_SCALE,  # an fp8 cache's scales (replica/kv_quant.py)
 ) -> torch.Tensor:
     batch, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
@@ -189,16 +201,18 @@ def paged_decode(
         part_acc = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(head_dim)
+    k_scale, v_scale = read_scales(k_cache.dtype, kv_scale)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q,
-        k_cache,
-        v_cache,
+        kernel_view(k_cache),
+        kernel_view(v_cache),
         block_tables,
         context_lens,
         out,
         part_acc,
         part_lse,
-        scale * LOG2E,
+        scale * LOG2E * k_scale,
+        v_scale,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -215,6 +229,7 @@ def paged_decode(
         BLOCK_N=BLOCK_N,
         NUM_SPLITS=num_splits,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        FP8_MANT=fp8_format(k_cache.dtype)[0],
         num_warps=4,
         num_stages=2,
     )

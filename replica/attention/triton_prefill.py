@@ -13,6 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
+from replica.attention.triton_write import fp8_format, fp8_to_fp16, kernel_view, read_scales
+from replica.kv_quant import UNIT_SCALE, KVScale
+
 LOG2E = 1.4426950408889634
 
 
@@ -25,7 +28,8 @@ def _prefill_kernel(
     query_starts_ptr,  # [P + 1] packed row of each chunk's first query
     context_lens_ptr,  # [P]
     block_tables_ptr,  # [P, n]
-    qk_scale,  # softmax scale * log2(e), so exp2 replaces exp
+    qk_scale,  # softmax scale * log2(e), so exp2 replaces exp; an fp8 cache's key scale too
+    v_scale,  # an fp8 cache's value scale, applied to the output
     stride_qt,
     stride_qh,
     stride_ot,
@@ -41,6 +45,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,  # queries per tile
     BLOCK_N: tl.constexpr,  # keys per tile
     DOT_PRECISION: tl.constexpr,
+    FP8_MANT: tl.constexpr,  # 0: a float cache; else the fp8 cache's mantissa bits
 ):
     chunk = tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -78,6 +83,8 @@ def _prefill_kernel(
         kv_rows = block * stride_cb + kv_head * stride_ch + (pos % BLOCK_SIZE) * stride_ct
         kv_mask = valid[:, None] & dim_mask[None, :]
         k = tl.load(k_cache_ptr + kv_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        if FP8_MANT > 0:
+            k = fp8_to_fp16(k, FP8_MANT)
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
         # Key 0 is visible to every query, so no row is ever all -inf after the first tile.
         s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
@@ -86,11 +93,15 @@ def _prefill_kernel(
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m - m_new)
         l_sum = l_sum * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
+        v = tl.load(v_cache_ptr + kv_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        if FP8_MANT > 0:
+            v = fp8_to_fp16(v, FP8_MANT)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
         m = m_new
 
     acc = acc / l_sum[:, None]
+    if FP8_MANT > 0:
+        acc = acc * v_scale
     out = out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + dims[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=io_mask)
 
@@ -113,6 +124,7 @@ def paged_prefill(
     max_query_len: int,
     scale: float,
     out: torch.Tensor,  # [T, H, D]; rows query_starts[0]..query_starts[-1] are written
+    kv_scale: KVScale = UNIT_SCALE,  # an fp8 cache's scales (replica/kv_quant.py)
 ) -> None:
     num_chunks = context_lens.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -123,15 +135,17 @@ def paged_prefill(
     assert q.stride(-1) == 1 and out.stride(-1) == 1 and block_tables.stride(-1) == 1
     block_m, block_n, num_warps = _tile_sizes(head_dim, q.dtype)
     grid = (num_chunks, triton.cdiv(max_query_len, block_m), num_heads)
+    k_scale, v_scale = read_scales(k_cache.dtype, kv_scale)
     _prefill_kernel[grid](
         q,
-        k_cache,
-        v_cache,
+        kernel_view(k_cache),
+        kernel_view(v_cache),
         out,
         query_starts,
         context_lens,
         block_tables,
-        scale * LOG2E,
+        scale * LOG2E * k_scale,
+        v_scale,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -147,6 +161,7 @@ def paged_prefill(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        FP8_MANT=fp8_format(k_cache.dtype)[0],
         num_warps=num_warps,
         num_stages=2,
     )

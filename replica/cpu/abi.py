@@ -21,13 +21,14 @@ class StepLayout(ctypes.Structure):
 
 
 class DecoderLayer(ctypes.Structure):
-    """One decoder layer's packed weights and KV cache, for decoder_forward."""
+    """One decoder layer's packed weights and KV cache (with its fp8 scales), for decoder_forward."""
 
     _fields_ = [
-        (name, _ptr)
-        for name in ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up", "gate_up_bias",
-                     "down", "down_bias", "qkv_scale", "o_scale", "gate_up_scale", "down_scale", "k_cache",
-                     "v_cache")
+        *((name, _ptr)
+          for name in ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up", "gate_up_bias",
+                       "down", "down_bias", "qkv_scale", "o_scale", "gate_up_scale", "down_scale", "k_cache",
+                       "v_cache")),
+        ("k_scale", _float), ("v_scale", _float),
     ]  # fmt: skip
 
 
@@ -36,7 +37,7 @@ class DecoderShape(ctypes.Structure):
 
     _fields_ = [
         *((name, _int) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim",
-                                    "intermediate", "block_size", "is_bf16", "is_int8")),
+                                    "intermediate", "block_size", "is_bf16", "is_int8", "kv_format")),
         ("eps", _float), ("scale", _float), ("final_norm", _ptr),
     ]  # fmt: skip
 

@@ -1,9 +1,11 @@
 /* Paged attention of one layer over a packed step (paged_attention, called by decoder.c
  * and through ctypes): the KV write, then the step's attention split into work items that
  * the threads claim. Pages are laid out for the kernel that reads them:
- * - generic (fp32, or CPUs without AVX512-BF16), here: a K page is [D, BS] (keys
+ * - generic (fp32, fp8, or CPUs without AVX512-BF16), here: a K page is [D, BS] (keys
  *   transposed), so a block's scores are broadcast-multiply-adds over its keys; a V page
- *   is [BS, D]. Pages are widened to fp32 once per block.
+ *   is [BS, D]. bf16 and fp8 pages are widened to fp32 (fp8 ones scaled) once per block.
+ *   An fp8 cache is written as torch writes one (fp8_bits), whatever the activations'
+ *   dtype, and read in fp32 (not rounded to bf16 for bf16 activations).
  * - paired (bf16 on AVX512-BF16 CPUs, D % 32 == 0, BS % 16 == 0): attention_paired.c. */
 #include <math.h>
 #include <stdint.h>
@@ -74,12 +76,12 @@ static inline __attribute__((always_inline)) void attend_impl(const Layer* L, co
         const int64_t page = ((int64_t)it->block_table[b] * L->num_kv_heads + it->kv_head) * BS * D;
         const int key0 = b * BS;
         const int nk = last_pos + 1 - key0 < BS ? last_pos + 1 - key0 : BS;
-        /* fp32 pages are read where they lie; bf16 ones are widened once per block */
+        /* fp32 pages are read where they lie; bf16 and fp8 ones are widened once per block */
         const float* restrict k = (const float*)L->k_cache + page;
         const float* restrict v = (const float*)L->v_cache + page;
-        if (L->is_bf16) {
-            load_row(w->k, L->k_cache, page, D * BS, 1);
-            load_row(w->v, L->v_cache, page, nk * D, 1);
+        if (L->is_bf16 || L->kv_format != KV_ACTIVATIONS) {
+            load_cache_row(L, w->k, L->k_cache, page, D * BS, L->k_scale);
+            load_cache_row(L, w->v, L->v_cache, page, nk * D, L->v_scale);
             k = w->k, v = w->v;
         }
         const int nq = it->nrows * group;
@@ -127,8 +129,8 @@ static void attend_any(const Layer* L, const WorkItem* it, const Scratch* w) {
         const int64_t page = ((int64_t)it->block_table[b] * L->num_kv_heads + it->kv_head) * BS * D;
         const int key0 = b * BS;
         const int nk = last_pos + 1 - key0 < BS ? last_pos + 1 - key0 : BS;
-        load_row(w->k, L->k_cache, page, D * BS, L->is_bf16);
-        load_row(w->v, L->v_cache, page, nk * D, L->is_bf16);
+        load_cache_row(L, w->k, L->k_cache, page, D * BS, L->k_scale);
+        load_cache_row(L, w->v, L->v_cache, page, nk * D, L->v_scale);
         for (int i = 0; i < it->nrows * group; i++) {
             const int pos = it->first_pos + i / group;
             if (key0 > pos) continue;
@@ -164,12 +166,13 @@ static void attend(const Layer* L, const WorkItem* it, const WorkItem* next, int
     else attend_any(L, it, w);
 }
 
-/* Copy this step's K/V rows into their pages, rotating K first when cos/sin are given.
- * A negative slot means "skip" (padded rows). */
+/* Copy this step's K/V rows into their pages, rotating K first when cos/sin are given
+ * (fp8: each divided by its scale, a true division as torch's, then encoded). A negative
+ * slot means "skip" (padded rows). */
 static void write_kv(const Layer* L, const void* k, int64_t k_stride_t, int64_t k_stride_h, const void* v,
                      int64_t v_stride_t, int64_t v_stride_h, const int64_t* slots, int64_t num_tokens,
                      int num_threads) {
-    const int D = L->head_dim, BS = L->block_size, Hkv = L->num_kv_heads;
+    const int D = L->head_dim, BS = L->block_size, Hkv = L->num_kv_heads, fp8 = L->kv_format != KV_ACTIVATIONS;
 #pragma omp parallel num_threads(num_threads) if (num_tokens >= 16)
     {
         float* buf = (float*)malloc(sizeof(float) * (size_t)D);
@@ -191,11 +194,18 @@ static void write_kv(const Layer* L, const void* k, int64_t k_stride_t, int64_t 
                 if (L->cos != NULL) load_rotated(buf, k, t * k_stride_t + h * k_stride_h, L->cos, L->sin, t, D, L->is_bf16);
                 else load_row(buf, k, t * k_stride_t + h * k_stride_h, D, L->is_bf16);
                 for (int d = 0; d < D; d++) {
-                    if (L->is_bf16) ((bf16*)L->k_cache)[page + k_offset(L, j, d)] = float_to_bf16(buf[d]);
-                    else ((float*)L->k_cache)[page + k_offset(L, j, d)] = buf[d];
+                    const int64_t at = page + k_offset(L, j, d);
+                    if (fp8) ((uint8_t*)L->k_cache)[at] = fp8_bits(buf[d] / L->k_scale, L->kv_format);
+                    else if (L->is_bf16) ((bf16*)L->k_cache)[at] = float_to_bf16(buf[d]);
+                    else ((float*)L->k_cache)[at] = buf[d];
                 }
                 load_row(buf, v, t * v_stride_t + h * v_stride_h, D, L->is_bf16);
-                store_row(L->v_cache, page + (int64_t)j * D, buf, D, L->is_bf16);
+                if (fp8) {
+                    uint8_t* row = (uint8_t*)L->v_cache + page + (int64_t)j * D;
+                    for (int d = 0; d < D; d++) row[d] = fp8_bits(buf[d] / L->v_scale, L->kv_format);
+                } else {
+                    store_row(L->v_cache, page + (int64_t)j * D, buf, D, L->is_bf16);
+                }
             }
         }
         free(buf);
@@ -207,9 +217,10 @@ void paged_attention(void* out, const void* q, int64_t q_stride_t, int64_t q_str
                      int64_t k_stride_t, int64_t k_stride_h, const void* v, int64_t v_stride_t, int64_t v_stride_h,
                      const void* cos, const void* sin, void* k_cache, void* v_cache, const StepLayout* step,
                      int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int is_bf16,
-                     int num_threads) {
-    const Layer L = {out,     q,       q_stride_t, q_stride_h, cos,       sin,        k_cache, v_cache,
-                     num_heads, num_kv_heads, head_dim, block_size, scale, is_bf16};
+                     int kv_format, float k_scale, float v_scale, int num_threads) {
+    const Layer L = {out,       q,          q_stride_t, q_stride_h, cos,       sin,     k_cache,
+                     v_cache,   num_heads,  num_kv_heads, head_dim, block_size, scale, is_bf16,
+                     kv_format, k_scale,    v_scale};
     /* Locals, so that the stores into items below cannot make the compiler reload them. */
     const int num_decodes = step->num_decodes, decode_width = step->decode_width;
     const int num_prefills = step->num_prefills, prefill_width = step->prefill_width;

@@ -131,7 +131,8 @@ SIGNATURES = {
             _p, _i64, _i64, _p, _i64, _i64,  # k, v and their strides
             _p, _p, _p, _p, _STEP,  # cos, sin, k_cache, v_cache, the step's layout
             _i32, _i32, _i32, _i32,  # heads, kv heads, head dim, block size
-            _f32, _i32, _i32,  # scale, bf16, threads
+            _f32, _i32,  # scale, bf16
+            _i32, _f32, _f32, _i32,  # KV format, its K and V scales, threads
         ],
         None,
     ),

@@ -59,7 +59,7 @@ void decoder_forward(const DecoderShape* shape, const DecoderLayer* layers, cons
         paged_attention(attended, qkv, qkv_width, D, qkv + q_width * size, qkv_width, D,
                         qkv + (q_width + kv_width) * size, qkv_width, D, cos, sin, L->k_cache, L->v_cache, step,
                         shape->num_heads, shape->num_kv_heads, (int)D, shape->block_size, shape->scale, bf,
-                        num_threads);
+                        shape->kv_format, L->k_scale, L->v_scale, num_threads);
         if (i == shape->num_layers - 1 && num_rows >= 0) {
             /* Only these rows go on: the others' KV is written, and nothing reads the rest. */
             keep_rows(attended, q_width * size, rows, num_rows);

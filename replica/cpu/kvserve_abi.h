@@ -5,13 +5,18 @@
  * against these prototypes, and build.py compares abi.py's struct sizes with the
  * kvserve_*_size functions when it loads the library.
  *
- * Tensors are raw pointers of fp32 or bf16 elements (is_bf16) unless a type says
- * otherwise; num_threads is the OpenMP team size (torch.get_num_threads()). */
+ * Tensors are raw pointers of fp32 or bf16 elements (is_bf16) unless a type or a
+ * kv_format says otherwise; num_threads is the OpenMP team size (torch.get_num_threads()). */
 #pragma once
 #include <stddef.h>
 #include <stdint.h>
 
 typedef uint16_t bf16;
+
+/* What a KV cache's elements are (kv_format): the activations' dtype, or one fp8 byte
+ * whose value times the layer's k_scale (v_scale) is the key (value) it stores
+ * (replica/kv_quant.py). */
+enum { KV_ACTIVATIONS = 0, KV_FP8_E4M3 = 1, KV_FP8_E5M2 = 2 };
 
 /* One packed step's attention layout, shared by every layer: which cache slot each row's
  * K and V go to, and which rows attend over which block tables. Packed order: decode rows
@@ -32,18 +37,20 @@ typedef struct {
 
 /* One decoder layer's weights (packed by pack_bf16_weight or pack_f32_weight, in the
  * model's dtype, or by pack_i8_weight with their fp32 scales; biases may be NULL) and KV
- * cache. */
+ * cache, with its fp8 scales (1 for other caches). */
 typedef struct {
     const void *input_norm, *post_norm;
     const void *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias;
     const float *qkv_scale, *o_scale, *gate_up_scale, *down_scale; /* int8 weights' only */
     void *k_cache, *v_cache;
+    float k_scale, v_scale;
 } DecoderLayer;
 
-/* The model's shapes, the same in every layer, its dtype (bf16 or fp32) and whether the
- * linears' weights are int8 (gemm_i8's, for fp32 models). */
+/* The model's shapes, the same in every layer, its dtype (bf16 or fp32), whether the
+ * linears' weights are int8 (gemm_i8's, for fp32 models) and the KV cache's kv_format. */
 typedef struct {
     int num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size, is_bf16, is_int8;
+    int kv_format;
     float eps, scale;
     const void* final_norm;
 } DecoderShape;
@@ -62,12 +69,13 @@ void rotary_embed(void* out, const void* x, int64_t stride_t, int64_t stride_h, 
  * the KV write, then causal attention of every query row over its sequence's cache).
  *   q: [T, H, D], k/v: [T, Hkv, D], each with the given strides (last dim contiguous)
  *   cos/sin: [T, D] or NULL; out: contiguous [T, H, D]
- *   k_cache/v_cache: [num_blocks, Hkv, ...], one page per (block, KV head) */
+ *   k_cache/v_cache: [num_blocks, Hkv, ...], one page per (block, KV head), of kv_format
+ *   elements; an fp8 cache holds key / k_scale and value / v_scale */
 void paged_attention(void* out, const void* q, int64_t q_stride_t, int64_t q_stride_h, const void* k,
                      int64_t k_stride_t, int64_t k_stride_h, const void* v, int64_t v_stride_t, int64_t v_stride_h,
                      const void* cos, const void* sin, void* k_cache, void* v_cache, const StepLayout* step,
                      int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int is_bf16,
-                     int num_threads);
+                     int kv_format, float k_scale, float v_scale, int num_threads);
 size_t kvserve_step_layout_size(void);
 
 /* gemm.c */

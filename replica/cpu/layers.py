@@ -167,5 +167,8 @@ class RotaryPagedAttention(nn.Module):
         v = qkv[:, q_size + kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        out = ops.paged_attention(q, k, v, k_cache, v_cache, ctx.metadata, self.scaling, cos=cos, sin=sin)
+        out = ops.paged_attention(
+            q, k, v, k_cache, v_cache, ctx.metadata, self.scaling, cos=cos, sin=sin,
+            kv_scale=ctx.kv_scale(self.layer_idx),
+        )  # fmt: skip
         return self.o_proj(out.view(num_tokens, q_size))

@@ -1,5 +1,6 @@
 """decoder.c's whole-step loop for FusedDecoder: the layers' weight pointers gathered
-once, and the KV cache's once per cache, in abi.py's mirrors of decoder.c's structs.
+once, and the KV cache's (with its format and fp8 scales) once per cache, in abi.py's
+mirrors of decoder.c's structs.
 
 It runs where every linear has a layout for one of the kernels decoder.c calls (gemm.c's:
 bf16 on AVX512-BF16 CPUs, fp32 on AVX2 ones; or gemm_int8.c's, for an fp32 model with
@@ -28,7 +29,7 @@ class NativeDecoder:
         self.hidden = fused.norm.weight.shape[0]
         self.dtype = fused.norm.weight.dtype
         self.kernel = _kernel(fused)
-        self.block_size = None  # from the KV cache, with the layers' cache pointers
+        self.block_size = self.kv_format = None  # from the KV cache, with the layers' cache pointers
         self._shape_args = dict(
             num_layers=len(fused.attentions),
             hidden=self.hidden,
@@ -92,7 +93,7 @@ class NativeDecoder:
         layout, fresh_runs = ops.step_layout(ctx.metadata)
         if fresh_runs:
             return None
-        shape = self._bind(ctx.kv_caches)
+        shape = self._bind(ctx)
         num_tokens = residual.shape[0]
         needed = self._lib.decoder_scratch_elements(ctypes.byref(shape), num_tokens)
         if self._scratch.numel() < needed:
@@ -112,22 +113,28 @@ class NativeDecoder:
             self._all_native[rows] = all(m.choice.kernel_for(rows) == self.kernel for m in self._linears)
         return self._all_native[rows]
 
-    def _bind(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> DecoderShape:
-        """The layers' struct array with this KV cache, rebuilt when the cache changes."""
-        caches = tuple((k.data_ptr(), v.data_ptr()) for k, v in kv_caches)
-        if caches != self._caches_seen:
+    def _bind(self, ctx) -> DecoderShape:
+        """The layers' struct array with the context's KV cache and scales, rebuilt when
+        either changes."""
+        kv_caches = ctx.kv_caches
+        seen = (tuple((k.data_ptr(), v.data_ptr()) for k, v in kv_caches), tuple(ctx.kv_scales or ()))
+        if seen != self._caches_seen:
+            scales = [ctx.kv_scale(i) for i in range(len(self._weights))]
             self._layers = (DecoderLayer * len(self._weights))(
                 *(
                     DecoderLayer(
                         **{name: None if t is None else t.data_ptr() for name, t in weights.items()},
-                        k_cache=k,
-                        v_cache=v,
+                        k_cache=k.data_ptr(),
+                        v_cache=v.data_ptr(),
+                        k_scale=scale.k,
+                        v_scale=scale.v,
                     )  # fmt: skip
-                    for weights, (k, v) in zip(self._weights, caches, strict=True)
+                    for weights, (k, v), scale in zip(self._weights, kv_caches, scales, strict=True)
                 )
             )
-            self._caches_seen, self.block_size = caches, kv_caches[0][0].shape[2]
-        return DecoderShape(**self._shape_args, block_size=self.block_size)
+            self._caches_seen, self.block_size = seen, kv_caches[0][0].shape[2]
+            self.kv_format = ops.KV_FORMATS.get(kv_caches[0][0].dtype, 0)
+        return DecoderShape(**self._shape_args, block_size=self.block_size, kv_format=self.kv_format)
 
 
 def _linears(fused) -> list:

@@ -10,8 +10,11 @@ import torch.nn.functional as F
 from replica.attention.metadata import AttentionMetadata
 from replica.cpu.abi import StepLayout
 from replica.cpu.build import load_library
+from replica.kv_quant import UNIT_SCALE, KVScale, dequantize_kv, is_fp8, quantize_kv
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+# A cache dtype's kv_format in attention.c (kvserve_abi.h's KV_*): 0 is the activations'.
+KV_FORMATS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 # Whether torch's SDPA, rather than the C kernel, attends fresh prefills (nothing cached
 # before them): SDPA's tiled kernel wins on some CPUs (those with AMX) and loses on others,
 # so the model load sets it from a measurement on this machine (kernel_choice.py).
@@ -167,19 +170,21 @@ def paged_attention(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, Hkv, D]
     v: torch.Tensor,
-    k_cache: torch.Tensor,  # [num_blocks, Hkv, block_size, D], contiguous, q's dtype
+    k_cache: torch.Tensor,  # [num_blocks, Hkv, block_size, D], contiguous, q's dtype or fp8
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
     cos: torch.Tensor | None = None,  # [T, D]: apply the rotary embedding to q and k first
     sin: torch.Tensor | None = None,
+    kv_scale: KVScale = UNIT_SCALE,  # an fp8 cache's (replica/kv_quant.py)
 ) -> torch.Tensor:
     """Write this step's K/V (rotated when cos/sin are given) into the paged cache, then
     attend every query row causally over its sequence's cache. Returns [T, H, D].
 
     Decode rows and chunks after cached tokens go through the C kernel. So do fresh
     prefills (nothing cached before them), unless torch's SDPA measured faster at them on
-    this machine: then it attends them from q, k and v directly (FRESH_PREFILLS_BY_SDPA).
+    this machine: then it attends them from q, k and v directly (FRESH_PREFILLS_BY_SDPA),
+    rounded as an fp8 cache holds them.
 
     Called once per layer per step, so it checks only what a layer could get wrong; the
     step's metadata becomes the kernel's StepLayout once, on the first layer."""
@@ -188,9 +193,13 @@ def paged_attention(
         q.stride(2) != 1
         or k.stride(2) != 1
         or v.stride(2) != 1
-        or not k.dtype == v.dtype == k_cache.dtype == q.dtype
+        or not k.dtype == v.dtype == q.dtype
+        or not k_cache.dtype == v_cache.dtype
+        or (k_cache.dtype != q.dtype and k_cache.dtype not in KV_FORMATS)
     ):
-        raise ValueError("q, k, v and the KV cache need one dtype and a contiguous last dimension")
+        raise ValueError(
+            "q, k, v and the KV cache need one dtype (or an fp8 cache) and a contiguous last dimension"
+        )
     if cos is not None and not (cos.dtype == q.dtype and cos.is_contiguous() and sin.is_contiguous()):
         cos, sin = cos.to(q.dtype).contiguous(), sin.to(q.dtype).contiguous()
     out = q.new_empty((num_tokens, num_heads, head_dim))
@@ -199,22 +208,32 @@ def paged_attention(
         out.data_ptr(), q.data_ptr(), q.stride(0), q.stride(1),
         k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
         _ptr(cos), _ptr(sin), k_cache.data_ptr(), v_cache.data_ptr(), layout,
-        num_heads, k_cache.shape[1], head_dim, k_cache.shape[2], scale, _is_bf16(q), torch.get_num_threads(),
+        num_heads, k_cache.shape[1], head_dim, k_cache.shape[2], scale, _is_bf16(q),
+        KV_FORMATS.get(k_cache.dtype, 0), kv_scale.k, kv_scale.v, torch.get_num_threads(),
     )  # fmt: skip
     for start, end, length in fresh_runs:
-        _attend_fresh(out, q[start:end], k[start:end], v[start:end], length, scale, cos, sin, start)
+        _attend_fresh(
+            out, q[start:end], k[start:end], v[start:end], length, scale, cos, sin, start,
+            k_cache.dtype, kv_scale,
+        )  # fmt: skip
     return out
 
 
-def _attend_fresh(out, q, k, v, length: int, scale: float, cos, sin, start: int) -> None:
+def _attend_fresh(
+    out, q, k, v, length: int, scale: float, cos, sin, start: int, cache_dtype: torch.dtype, kv_scale: KVScale
+) -> None:
     """Causal SDPA over a run of fresh prefill chunks of `length` rows each, starting at
-    packed row `start`, into out."""
+    packed row `start`, into out. Over an fp8 cache it attends K and V as the cache holds
+    them, as the kernel and every later step do."""
     end = start + q.shape[0]
     if cos is not None:
         q, k = (
             rotary_embed(q, cos[start:end], sin[start:end]),
             rotary_embed(k, cos[start:end], sin[start:end]),
         )
+    if is_fp8(cache_dtype):
+        k = dequantize_kv(quantize_kv(k, kv_scale.k, cache_dtype), kv_scale.k, q.dtype)
+        v = dequantize_kv(quantize_kv(v, kv_scale.v, cache_dtype), kv_scale.v, q.dtype)
     num_heads, head_dim = q.shape[1], q.shape[2]
 
     def batched(x: torch.Tensor) -> torch.Tensor:  # [B * L, heads, D] -> [B, heads, L, D]

@@ -42,6 +42,7 @@ class TensorParallelRunner:
         self.max_model_len = self.rank0.max_model_len
         self.vocab_size = self.rank0.vocab_size
         self.dtype = self.rank0.dtype
+        self.kv_dtype = self.rank0.kv_dtype
         self.weights = self.rank0.weights
 
     def use_cores(self, plan: CorePlan) -> None:
