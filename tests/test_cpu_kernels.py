@@ -39,17 +39,11 @@ def _rotary(positions: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tens
     return emb.cos(), emb.sin()
 
 
-def run_attention(seqs, heads, kv_heads, head_dim, block_size, dtype, rotary, seed):
-    """Two kernel steps over a scattered paged cache: first each sequence's history
-    (cached tokens) as a prefill, then the step under test (decode rows, fresh prefills,
-    chunks after a prefix), each compared with dense attention over the whole sequence."""
+def random_batch(seqs, heads, kv_heads, head_dim, block_size, dtype, seed):
+    """For each (cached, new) token count in seqs: a block table scattered over a cache of
+    num_blocks (two spare), and random q, k and v for all its tokens."""
     g = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-(c + n) // block_size) for c, n in seqs) + 2
-    # NaN wherever nothing was written: a kernel that lets unwritten cache memory reach
-    # its output (even times a zero probability) fails the comparison.
-    shape = kv_cache_shape(num_blocks, block_size, kv_heads, head_dim)
-    k_cache = torch.full(shape, float("nan"), dtype=dtype)
-    v_cache = torch.full_like(k_cache, float("nan"))
     free = torch.randperm(num_blocks, generator=g).tolist()
     tables = [[free.pop() for _ in range(-(-(c + n) // block_size))] for c, n in seqs]
     qs, ks, vs = [], [], []
@@ -57,6 +51,19 @@ def run_attention(seqs, heads, kv_heads, head_dim, block_size, dtype, rotary, se
         qs.append(torch.randn(c + n, heads, head_dim, generator=g).to(dtype))
         ks.append(torch.randn(c + n, kv_heads, head_dim, generator=g).to(dtype))
         vs.append(torch.randn(c + n, kv_heads, head_dim, generator=g).to(dtype))
+    return num_blocks, tables, qs, ks, vs
+
+
+def run_attention(seqs, heads, kv_heads, head_dim, block_size, dtype, rotary, seed):
+    """Two kernel steps over a scattered paged cache: first each sequence's history
+    (cached tokens) as a prefill, then the step under test (decode rows, fresh prefills,
+    chunks after a prefix), each compared with dense attention over the whole sequence."""
+    num_blocks, tables, qs, ks, vs = random_batch(seqs, heads, kv_heads, head_dim, block_size, dtype, seed)
+    # NaN wherever nothing was written: a kernel that lets unwritten cache memory reach
+    # its output (even times a zero probability) fails the comparison.
+    shape = kv_cache_shape(num_blocks, block_size, kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full_like(k_cache, float("nan"))
     scale = head_dim**-0.5
 
     def step(rows: list[int], starts: list[int], ends: list[int]):

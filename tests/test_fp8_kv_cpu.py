@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_attention_reference import _Layer
+from test_cpu_kernels import _rotary, random_batch
 from test_native_decoder import _assert_same, _both_loops, _gemm_c_runs
 from test_other_models import CONFIGS
 from transformers import AutoModelForCausalLM
@@ -107,33 +108,18 @@ def test_written_bytes_are_torchs(kv_dtype, dtype, kv_scale, rotary):
     assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))
 
 
-def _rotary(positions: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
-    angles = positions[:, None].float() * inv_freq[None]
-    emb = torch.cat([angles, angles], dim=-1)
-    return emb.cos(), emb.sin()
-
-
 def run_fp8_attention(seqs, heads, kv_heads, head_dim, block_size, dtype, kv_dtype, kv_scale, rotary, seed):
     """Two steps over a scattered paged cache, as test_cpu_kernels.run_attention runs them
     (each sequence's history as a prefill, then decode rows, fresh prefills and chunks
     after cached tokens), the kernel on its cache and the torch backend on its own: the
     same outputs, and the same bytes at every written slot."""
-    g = torch.Generator().manual_seed(seed)
-    num_blocks = sum(-(-(c + n) // block_size) for c, n in seqs) + 2
+    num_blocks, tables, qs, ks, vs = random_batch(seqs, heads, kv_heads, head_dim, block_size, dtype, seed)
     shape = kv_cache_shape(num_blocks, block_size, kv_heads, head_dim)
     # Unwritten bytes are NaN codes, which widen to 480 (e4m3) or 114688 (e5m2) times the
     # scale: a kernel that lets one reach a score or an output is far off.
     k_cache = torch.full(shape, 0x7F, dtype=torch.uint8).view(kv_dtype)
     v_cache = torch.full(shape, 0x7F, dtype=torch.uint8).view(kv_dtype)
     k_ref, v_ref = torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype)
-    free = torch.randperm(num_blocks, generator=g).tolist()
-    tables = [[free.pop() for _ in range(-(-(c + n) // block_size))] for c, n in seqs]
-    qs, ks, vs = [], [], []
-    for c, n in seqs:
-        qs.append(torch.randn(c + n, heads, head_dim, generator=g).to(dtype))
-        ks.append(torch.randn(c + n, kv_heads, head_dim, generator=g).to(dtype))
-        vs.append(torch.randn(c + n, kv_heads, head_dim, generator=g).to(dtype))
     scale = head_dim**-0.5
 
     def step(rows: list[int], starts: list[int], ends: list[int]):
