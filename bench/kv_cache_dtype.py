@@ -1,10 +1,11 @@
-"""An fp8 KV cache against the model's own dtype when the cache limits the batch: a
-long-output workload (short prompts, every request asking for --output-tokens) on
-engines with the same --kv-cache-memory-gb, which holds --concurrency such requests in
-the unquantized cache and twice as many in fp8. Engines run in turns, --repeats times,
+"""An fp8 KV cache (and any other --kv-cache-dtypes) against the model's own dtype when
+the cache limits the batch: a long-output workload (short prompts, every request asking
+for --output-tokens) on engines with the same kv_cache_memory_gb, which holds
+--concurrency such requests in the model's dtype. Engines run in turns, --repeats times,
 and each is reported by its median throughput, beside its KV blocks and preemptions.
 
-    python bench/kv_cache_dtype.py --dtypes bfloat16 float32 --out bench/results/kv_cache_dtype_cpu.json
+    python bench/kv_cache_dtype.py --out bench/results/kv_cache_dtype_cpu.json
+    python bench/kv_cache_dtype.py --dtypes float32 --kv-cache-dtypes bfloat16 fp8
 """
 
 import argparse
@@ -98,11 +99,16 @@ def main() -> None:
         dtype = name.split(",")[0]
         median = statistics.median(r["output_tokens_per_s"] for r in runs[name])
         base = statistics.median(r["output_tokens_per_s"] for r in runs[f"{dtype}, kv auto"])
+        others = [other for other in engines if other.split(",")[0] == dtype]
         results[name] = {
             **engine_record(llm),
             "kv_cache_memory_gb": memory[dtype],
             "output_tokens_per_s": median,
             "speedup_vs_unquantized_kv": median / base,
+            "speedup_vs": {
+                other: median / statistics.median(r["output_tokens_per_s"] for r in runs[other])
+                for other in others
+            },
             "runs": runs[name],
         }
         print(

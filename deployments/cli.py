@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     model_args.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+        choices=["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"],
         help="the KV cache's element type; fp8 (e4m3) or fp8_e5m2 holds twice bf16's tokens in "
         "the same memory (default auto: the model's dtype)",
     )

@@ -12,7 +12,7 @@ CPU_KERNEL_CHOICES = ("auto", "gemm.c", "onednn", "torch")
 # vLLM's names. int8: int8 weights, activations quantized per token (replica/cpu/int8.py).
 QUANTIZATIONS = (None, "int8")
 # vLLM's names (replica/kv_quant.py); "auto" keeps K and V in the model's dtype.
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass
@@ -68,6 +68,7 @@ class EngineConfig:
     # The KV cache's element type, vLLM's argument (replica/kv_quant.py). "auto": the model's
     # dtype. "fp8" (e4m3, as "fp8_e4m3") or "fp8_e5m2": one byte per element, each layer's
     # keys and values divided by a scale, so the same memory holds twice bf16's blocks.
+    # "bfloat16": two bytes, beside a float32 model too.
     kv_cache_dtype: str = "auto"
     # LoRA adapters (replica/lora/), vLLM's arguments: max_loras adapters in one step,
     # each of rank <= max_lora_rank; max_cpu_loras adapters kept loaded (None: max_loras),

@@ -16,15 +16,16 @@ from replica.config import KV_CACHE_DTYPES
 
 # fp8 is e4m3, as in vLLM.
 _FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+_DTYPES = {**_FP8, "bfloat16": torch.bfloat16}
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 
 def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     if kv_cache_dtype == "auto":
         return model_dtype
-    if kv_cache_dtype not in _FP8:
+    if kv_cache_dtype not in _DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
-    return _FP8[kv_cache_dtype]
+    return _DTYPES[kv_cache_dtype]
 
 
 def is_fp8(dtype: torch.dtype) -> bool:

@@ -65,7 +65,7 @@ def _attention_backend_name(
     if device.type == "cpu" and config.attention_backend in ("auto", CPU_KERNELS) and cpu_kernels_built():
         installed |= {CPU_KERNELS}
     name = choose_backend(
-        config.attention_backend, device.type, dtype, installed, triton_interpret(), is_fp8(kv_dtype)
+        config.attention_backend, device.type, dtype, installed, triton_interpret(), kv_dtype
     )
     if config.attention_backend == "auto":
         logger.info("attention backend: %s (auto, on %s)", name, device.type)

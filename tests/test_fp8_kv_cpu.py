@@ -41,10 +41,14 @@ def _hard_values(kv_dtype: torch.dtype) -> torch.Tensor:
     return torch.cat([near, -near, torch.tensor([-0.0])])
 
 
+def _bits(cache: torch.Tensor) -> torch.Tensor:
+    return cache.view(torch.uint8 if cache.element_size() == 1 else torch.int16)
+
+
 def _written(cache: torch.Tensor, slots: torch.Tensor, keys: bool) -> torch.Tensor:
-    """The bytes at `slots` of a kernel-written cache, as [T, Hkv, D]: a K page is [D, BS]."""
+    """The bits at `slots` of a kernel-written cache, as [T, Hkv, D]: a K page is [D, BS]."""
     nb, hkv, bs, d = cache.shape
-    raw = cache.view(torch.uint8)
+    raw = _bits(cache)
     if keys:
         raw = raw.view(nb, hkv, d, bs).transpose(2, 3)
     return raw[slots // bs, :, slots % bs]
@@ -116,9 +120,15 @@ def run_fp8_attention(seqs, heads, kv_heads, head_dim, block_size, dtype, kv_dty
     num_blocks, tables, qs, ks, vs = random_batch(seqs, heads, kv_heads, head_dim, block_size, dtype, seed)
     shape = kv_cache_shape(num_blocks, block_size, kv_heads, head_dim)
     # Unwritten bytes are NaN codes, which widen to 480 (e4m3) or 114688 (e5m2) times the
-    # scale: a kernel that lets one reach a score or an output is far off.
-    k_cache = torch.full(shape, 0x7F, dtype=torch.uint8).view(kv_dtype)
-    v_cache = torch.full(shape, 0x7F, dtype=torch.uint8).view(kv_dtype)
+    # scale, or NaN (bf16): a kernel that lets one reach a score or an output is far off.
+    if kv_dtype == torch.bfloat16:
+        k_cache, v_cache = (
+            torch.full(shape, float("nan"), dtype=kv_dtype),
+            torch.full(shape, float("nan"), dtype=kv_dtype),
+        )
+    else:
+        k_cache = torch.full(shape, 0x7F, dtype=torch.uint8).view(kv_dtype)
+        v_cache = torch.full(shape, 0x7F, dtype=torch.uint8).view(kv_dtype)
     k_ref, v_ref = torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype)
     scale = head_dim**-0.5
 
@@ -144,11 +154,11 @@ def run_fp8_attention(seqs, heads, kv_heads, head_dim, block_size, dtype, kv_dty
         slots = meta.slot_mapping
         assert torch.equal(
             _written(k_cache, slots, True),
-            k_ref.view(torch.uint8)[slots // block_size, :, slots % block_size],
+            _bits(k_ref)[slots // block_size, :, slots % block_size],
         )
         assert torch.equal(
             _written(v_cache, slots, False),
-            v_ref.view(torch.uint8)[slots // block_size, :, slots % block_size],
+            _bits(v_ref)[slots // block_size, :, slots % block_size],
         )
 
     history = [i for i, (c, _) in enumerate(seqs) if c > 0]
@@ -190,20 +200,22 @@ def test_fused_rotary_over_fp8_matches_torch(kv_dtype, dtype, heads, kv_heads, f
     run_fp8_attention(SEQS, heads, kv_heads, 64, 16, dtype, kv_dtype, SCALES[1], rotary=True, seed=7)
 
 
-def test_fp8_caches_take_only_their_dtypes():
+def test_caches_of_another_dtype_are_only_fp8_or_bf16_beside_fp32():
     meta = build_metadata([[0]], [1], [1], 4, "cpu")
     q, k, v = (torch.randn(1, 1, 16) for _ in range(3))
     caches = torch.zeros(kv_cache_shape(1, 4, 1, 16), dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="one dtype"):
         ops.paged_attention(q, k, v, caches, caches.to(torch.float8_e5m2), meta, 0.25)
+    bf16 = [t.bfloat16() for t in (q, k, v)]
     with pytest.raises(ValueError, match="one dtype"):
-        ops.paged_attention(q, k, v, caches.to(torch.bfloat16), caches.to(torch.bfloat16), meta, 0.25)
+        ops.paged_attention(*bf16, caches.float(), caches.float(), meta, 0.25)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2", "bfloat16"])
 def test_native_decoder_over_fp8_same_as_python_loop(kv_cache_dtype, tmp_path, tokenizer):
-    """decoder.c passes each layer's fp8 scales and the cache's format to the kernel as
-    the Python loop does: the same tokens and logprobs, bit for bit."""
+    """decoder.c passes each layer's fp8 scales and the cache's format (or a bf16 cache's,
+    beside the float32 model) to the kernel as the Python loop does: the same tokens and
+    logprobs, bit for bit."""
     _gemm_c_runs("float32")
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(CONFIGS["llama-gqa4"]).save_pretrained(tmp_path)
@@ -212,7 +224,7 @@ def test_native_decoder_over_fp8_same_as_python_loop(kv_cache_dtype, tmp_path, t
               cpu_kernels="gemm.c", kv_cache_dtype=kv_cache_dtype)  # fmt: skip
     runner = llm.engine.runner
     assert runner.run_decoder.native is not None
-    assert runner.kv_caches[0][0].dtype in FP8
+    assert runner.kv_caches[0][0].dtype in [*FP8, torch.bfloat16]
     prompts = [tokenizer(p).input_ids for p in ["Hello there", "A longer prompt with more tokens in it", "x"]]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
     ours, theirs, native_steps = _both_loops(llm, prompts, params)
@@ -238,3 +250,14 @@ def test_fp8_attention_any_batch(seqs, block_size, group, bf16, e5m2, fresh_by_s
         run_fp8_attention(
             seqs, 2 * group, 2, 32, block_size, dtype, kv_dtype, SCALES[1], rotary=bf16, seed=len(seqs)
         )
+
+
+@pytest.mark.parametrize("rotary", [False, True])
+@pytest.mark.parametrize(("head_dim", "block_size"), [(24, 3), (64, 16)])
+def test_bf16_cache_beside_fp32_activations_matches_torch(
+    head_dim, block_size, rotary, fresh_prefills_by_sdpa
+):
+    """kv_cache_dtype="bfloat16" with a float32 model: bf16 pages, fp32 everything else."""
+    run_fp8_attention(
+        SEQS, 6, 2, head_dim, block_size, torch.float32, torch.bfloat16, KVScale(), rotary=rotary, seed=3
+    )

@@ -22,17 +22,25 @@ GPL = Path("/usr/share/common-licenses/GPL-3")
 
 def test_kv_cache_dtype_is_checked():
     with pytest.raises(
-        ValueError, match=r"kv_cache_dtype must be one of \('auto', 'fp8', 'fp8_e4m3', 'fp8_e5m2'\)"
+        ValueError,
+        match=r"kv_cache_dtype must be one of \('auto', 'bfloat16', 'fp8', 'fp8_e4m3', 'fp8_e5m2'\)",
     ):
         EngineConfig(kv_cache_dtype="int8")
 
 
-def test_auto_skips_and_a_request_refuses_flash_attn_with_an_fp8_cache():
+def test_backends_that_cannot_read_the_cache_are_skipped_or_refused():
     installed = frozenset({"flash_attn", "triton"})
     assert choose_backend("auto", "cuda", torch.bfloat16, installed) == "flash_attn"
-    assert choose_backend("auto", "cuda", torch.bfloat16, installed, fp8_kv=True) == "triton"
-    with pytest.raises(ValueError, match="flash-attn backend does not read an fp8 KV cache"):
-        choose_backend("flash_attn", "cuda", torch.bfloat16, installed, fp8_kv=True)
+    fp8 = torch.float8_e4m3fn
+    assert choose_backend("auto", "cuda", torch.bfloat16, installed, kv_dtype=torch.bfloat16) == "flash_attn"
+    assert choose_backend("auto", "cuda", torch.bfloat16, installed, kv_dtype=fp8) == "triton"
+    with pytest.raises(ValueError, match="flash-attn backend reads only a KV cache in the model's dtype"):
+        choose_backend("flash_attn", "cuda", torch.bfloat16, installed, kv_dtype=fp8)
+    with pytest.raises(
+        ValueError, match="Triton kernels read a bfloat16 KV cache only beside a bfloat16 model"
+    ):
+        choose_backend("triton", "cuda", torch.float32, installed, kv_dtype=torch.bfloat16)
+    assert choose_backend("auto", "cuda", torch.float32, installed, kv_dtype=torch.bfloat16) == "torch"
 
 
 @pytest.fixture(scope="module")
@@ -42,22 +50,25 @@ def random_llama(tmp_path_factory, tokenizer):
 
 def test_fp8_blocks_double_bf16s_at_the_same_memory(random_llama, caplog):
     """The scheduler counts blocks, so the fp8 cache's are what doubles: twice bf16's and
-    four times fp32's in the same kv_cache_memory_gb. The start-up log says so."""
+    four times fp32's in the same kv_cache_memory_gb (a bf16 cache beside a float32 model
+    holds twice fp32's). The start-up log says so."""
     blocks = {}
     for dtype, kv in (
         ("bfloat16", "auto"),
         ("float32", "auto"),
         ("bfloat16", "fp8"),
         ("float32", "fp8_e5m2"),
+        ("float32", "bfloat16"),
     ):
         with caplog.at_level("INFO", logger="replica.model_runner"):
             llm = LLM(str(random_llama), dtype=dtype, kv_cache_dtype=kv, kv_cache_memory_gb=0.01)
         blocks[dtype, kv] = llm.engine.runner.num_blocks
-        expected = {"auto": dtype, "fp8": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}[kv]
+        expected = {"auto": dtype, "fp8": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2", "bfloat16": kv}[kv]
         assert f"KV cache: {expected}, {blocks[dtype, kv]} blocks" in caplog.text
     bf16, fp32 = blocks["bfloat16", "auto"], blocks["float32", "auto"]
     assert 2 * bf16 <= blocks["bfloat16", "fp8"] <= 2 * bf16 + 1
     assert 4 * fp32 <= blocks["float32", "fp8_e5m2"] <= 4 * fp32 + 3
+    assert 2 * fp32 <= blocks["float32", "bfloat16"] <= 2 * fp32 + 1
 
 
 def test_every_layer_gets_calibrated_scales(random_llama):

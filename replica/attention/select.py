@@ -52,14 +52,17 @@ def backend_problem(
     dtype: torch.dtype,
     installed: frozenset[str],
     interpret: bool = False,
-    fp8_kv: bool = False,
+    kv_dtype: torch.dtype | None = None,
 ) -> str | None:
-    """Why backend `name` cannot run here, or None when it can. fp8_kv: the KV cache is
-    fp8 (kv_cache_dtype)."""
+    """Why backend `name` cannot run here, or None when it can. kv_dtype: the KV cache's
+    (kv_cache_dtype), when not the model's."""
     if name == "torch":
         return None
-    if name == "flash_attn" and fp8_kv:
-        return "kvserve's flash-attn backend does not read an fp8 KV cache (triton and torch do)"
+    if name == "flash_attn" and kv_dtype not in (None, dtype):
+        return (
+            f"kvserve's flash-attn backend reads only a KV cache in the model's dtype, not {kv_dtype} "
+            "(triton and torch read it)"
+        )
     if name == CPU_KERNELS:
         if device_type != "cpu":
             return "kvserve's C kernels run only on the CPU"
@@ -75,6 +78,8 @@ def backend_problem(
             return "flash-attn runs only on CUDA devices"
         if dtype not in (torch.float16, torch.bfloat16):
             return f"flash-attn supports only float16 and bfloat16, not {dtype}"
+    if name == "triton" and kv_dtype == torch.bfloat16 and dtype != torch.bfloat16:
+        return "kvserve's Triton kernels read a bfloat16 KV cache only beside a bfloat16 model"
     if name == "triton" and device_type != "cuda" and not interpret:
         return "Triton kernels need a CUDA device (or TRITON_INTERPRET=1 on CPU, for tests)"
     return None
@@ -86,18 +91,18 @@ def choose_backend(
     dtype: torch.dtype,
     installed: frozenset[str],
     interpret: bool = False,
-    fp8_kv: bool = False,
+    kv_dtype: torch.dtype | None = None,
 ) -> str:
     """`auto`: the best backend that runs here; a name: that backend, or a ValueError
     saying why it can't run."""
     if requested == "auto":
         order = AUTO_ORDER.get(device_type, ("torch",))
         return next(
-            n for n in order if backend_problem(n, device_type, dtype, installed, fp8_kv=fp8_kv) is None
+            n for n in order if backend_problem(n, device_type, dtype, installed, kv_dtype=kv_dtype) is None
         )
     if requested not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {requested!r}; choose one of {ATTENTION_BACKENDS}")
-    problem = backend_problem(requested, device_type, dtype, installed, interpret, fp8_kv)
+    problem = backend_problem(requested, device_type, dtype, installed, interpret, kv_dtype)
     if problem is not None:
         raise ValueError(f"attention backend {requested!r} is unavailable: {problem}")
     return requested

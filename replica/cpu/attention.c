@@ -3,7 +3,8 @@
  * the threads claim. Pages are laid out for the kernel that reads them:
  * - generic (fp32, fp8, or CPUs without AVX512-BF16), here: a K page is [D, BS] (keys
  *   transposed), so a block's scores are broadcast-multiply-adds over its keys; a V page
- *   is [BS, D]. bf16 and fp8 pages are widened to fp32 (fp8 ones scaled) once per block.
+ *   is [BS, D]. bf16 and fp8 pages are widened to fp32 (fp8 ones scaled) once per block;
+ *   bf16 pages may sit beside fp32 activations (kv_format KV_BF16).
  *   An fp8 cache is written as torch writes one (fp8_bits), whatever the activations'
  *   dtype, and read in fp32 (not rounded to bf16 for bf16 activations).
  * - paired (bf16 on AVX512-BF16 CPUs, D % 32 == 0, BS % 16 == 0): attention_paired.c. */
@@ -172,7 +173,9 @@ static void attend(const Layer* L, const WorkItem* it, const WorkItem* next, int
 static void write_kv(const Layer* L, const void* k, int64_t k_stride_t, int64_t k_stride_h, const void* v,
                      int64_t v_stride_t, int64_t v_stride_h, const int64_t* slots, int64_t num_tokens,
                      int num_threads) {
-    const int D = L->head_dim, BS = L->block_size, Hkv = L->num_kv_heads, fp8 = L->kv_format != KV_ACTIVATIONS;
+    const int D = L->head_dim, BS = L->block_size, Hkv = L->num_kv_heads;
+    const int fp8 = L->kv_format == KV_FP8_E4M3 || L->kv_format == KV_FP8_E5M2;
+    const int bf16_pages = L->is_bf16 || L->kv_format == KV_BF16;
 #pragma omp parallel num_threads(num_threads) if (num_tokens >= 16)
     {
         float* buf = (float*)malloc(sizeof(float) * (size_t)D);
@@ -196,7 +199,7 @@ static void write_kv(const Layer* L, const void* k, int64_t k_stride_t, int64_t 
                 for (int d = 0; d < D; d++) {
                     const int64_t at = page + k_offset(L, j, d);
                     if (fp8) ((uint8_t*)L->k_cache)[at] = fp8_bits(buf[d] / L->k_scale, L->kv_format);
-                    else if (L->is_bf16) ((bf16*)L->k_cache)[at] = float_to_bf16(buf[d]);
+                    else if (bf16_pages) ((bf16*)L->k_cache)[at] = float_to_bf16(buf[d]);
                     else ((float*)L->k_cache)[at] = buf[d];
                 }
                 load_row(buf, v, t * v_stride_t + h * v_stride_h, D, L->is_bf16);
@@ -204,7 +207,7 @@ static void write_kv(const Layer* L, const void* k, int64_t k_stride_t, int64_t 
                     uint8_t* row = (uint8_t*)L->v_cache + page + (int64_t)j * D;
                     for (int d = 0; d < D; d++) row[d] = fp8_bits(buf[d] / L->v_scale, L->kv_format);
                 } else {
-                    store_row(L->v_cache, page + (int64_t)j * D, buf, D, L->is_bf16);
+                    store_row(L->v_cache, page + (int64_t)j * D, buf, D, bf16_pages);
                 }
             }
         }

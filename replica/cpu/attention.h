@@ -153,7 +153,7 @@ static inline void load_cache_row(const Layer* L, float* dst, const void* cache,
                                   float scale) {
     if (L->kv_format == KV_FP8_E4M3) widen_fp8(dst, (const uint8_t*)cache + offset, n, 1, scale);
     else if (L->kv_format == KV_FP8_E5M2) widen_fp8(dst, (const uint8_t*)cache + offset, n, 0, scale);
-    else load_row(dst, cache, offset, n, L->is_bf16);
+    else load_row(dst, cache, offset, n, L->is_bf16 || L->kv_format == KV_BF16);
 }
 
 /* An item's online softmax starts empty: no maximum, no sum, zero accumulators. */

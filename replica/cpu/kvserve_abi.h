@@ -13,10 +13,10 @@
 
 typedef uint16_t bf16;
 
-/* What a KV cache's elements are (kv_format): the activations' dtype, or one fp8 byte
- * whose value times the layer's k_scale (v_scale) is the key (value) it stores
- * (replica/kv_quant.py). */
-enum { KV_ACTIVATIONS = 0, KV_FP8_E4M3 = 1, KV_FP8_E5M2 = 2 };
+/* What a KV cache's elements are (kv_format): the activations' dtype; one fp8 byte whose
+ * value times the layer's k_scale (v_scale) is the key (value) it stores
+ * (replica/kv_quant.py); or bf16 beside fp32 activations. */
+enum { KV_ACTIVATIONS = 0, KV_FP8_E4M3 = 1, KV_FP8_E5M2 = 2, KV_BF16 = 3 };
 
 /* One packed step's attention layout, shared by every layer: which cache slot each row's
  * K and V go to, and which rows attend over which block tables. Packed order: decode rows

@@ -133,7 +133,7 @@ class NativeDecoder:
                 )
             )
             self._caches_seen, self.block_size = seen, kv_caches[0][0].shape[2]
-            self.kv_format = ops.KV_FORMATS.get(kv_caches[0][0].dtype, 0)
+            self.kv_format = ops.kv_format(kv_caches[0][0].dtype, self.dtype)
         return DecoderShape(**self._shape_args, block_size=self.block_size, kv_format=self.kv_format)
 
 

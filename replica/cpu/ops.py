@@ -10,11 +10,18 @@ import torch.nn.functional as F
 from replica.attention.metadata import AttentionMetadata
 from replica.cpu.abi import StepLayout
 from replica.cpu.build import load_library
-from replica.kv_quant import UNIT_SCALE, KVScale, dequantize_kv, is_fp8, quantize_kv
+from replica.kv_quant import UNIT_SCALE, KVScale, dequantize_kv, quantize_kv
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
-# A cache dtype's kv_format in attention.c (kvserve_abi.h's KV_*): 0 is the activations'.
-KV_FORMATS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
+# A cache dtype's kv_format in attention.c (kvserve_abi.h's KV_*) beside activations of
+# another dtype; a cache in the activations' dtype is format 0.
+KV_FORMATS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2, torch.bfloat16: 3}
+
+
+def kv_format(cache_dtype: torch.dtype, dtype: torch.dtype) -> int:
+    return 0 if cache_dtype == dtype else KV_FORMATS[cache_dtype]
+
+
 # Whether torch's SDPA, rather than the C kernel, attends fresh prefills (nothing cached
 # before them): SDPA's tiled kernel wins on some CPUs (those with AMX) and loses on others,
 # so the model load sets it from a measurement on this machine (kernel_choice.py).
@@ -198,7 +205,8 @@ def paged_attention(
         or (k_cache.dtype != q.dtype and k_cache.dtype not in KV_FORMATS)
     ):
         raise ValueError(
-            "q, k, v and the KV cache need one dtype (or an fp8 cache) and a contiguous last dimension"
+            "q, k, v and the KV cache need one dtype (or an fp8 cache, or a bf16 one beside fp32) "
+            "and a contiguous last dimension"
         )
     if cos is not None and not (cos.dtype == q.dtype and cos.is_contiguous() and sin.is_contiguous()):
         cos, sin = cos.to(q.dtype).contiguous(), sin.to(q.dtype).contiguous()
@@ -209,7 +217,7 @@ def paged_attention(
         k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
         _ptr(cos), _ptr(sin), k_cache.data_ptr(), v_cache.data_ptr(), layout,
         num_heads, k_cache.shape[1], head_dim, k_cache.shape[2], scale, _is_bf16(q),
-        KV_FORMATS.get(k_cache.dtype, 0), kv_scale.k, kv_scale.v, torch.get_num_threads(),
+        kv_format(k_cache.dtype, q.dtype), kv_scale.k, kv_scale.v, torch.get_num_threads(),
     )  # fmt: skip
     for start, end, length in fresh_runs:
         _attend_fresh(
@@ -223,15 +231,15 @@ def _attend_fresh(
     out, q, k, v, length: int, scale: float, cos, sin, start: int, cache_dtype: torch.dtype, kv_scale: KVScale
 ) -> None:
     """Causal SDPA over a run of fresh prefill chunks of `length` rows each, starting at
-    packed row `start`, into out. Over an fp8 cache it attends K and V as the cache holds
-    them, as the kernel and every later step do."""
+    packed row `start`, into out. Over a cache of another dtype (fp8, or bf16 beside fp32)
+    it attends K and V as the cache holds them, as the kernel and every later step do."""
     end = start + q.shape[0]
     if cos is not None:
         q, k = (
             rotary_embed(q, cos[start:end], sin[start:end]),
             rotary_embed(k, cos[start:end], sin[start:end]),
         )
-    if is_fp8(cache_dtype):
+    if cache_dtype != q.dtype:
         k = dequantize_kv(quantize_kv(k, kv_scale.k, cache_dtype), kv_scale.k, q.dtype)
         v = dequantize_kv(quantize_kv(v, kv_scale.v, cache_dtype), kv_scale.v, q.dtype)
     num_heads, head_dim = q.shape[1], q.shape[2]
