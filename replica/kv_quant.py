@@ -60,3 +60,9 @@ def dequantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Te
     if not is_fp8(x.dtype):
         return x.to(dtype)
     return (x.float() * scale).to(dtype)
+
+
+def as_cached(x: torch.Tensor, scale: float, cache_dtype: torch.dtype) -> torch.Tensor:
+    """x in its own dtype as a cache of cache_dtype gives it back: what a fresh prompt's
+    attention reads, as every later step does (x itself where the dtypes are the same)."""
+    return dequantize_kv(quantize_kv(x, scale, cache_dtype), scale, x.dtype)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from replica.attention.context import get_forward_context
-from replica.kv_quant import UNIT_SCALE, KVScale, dequantize_kv, quantize_kv
+from replica.kv_quant import UNIT_SCALE, KVScale, as_cached, dequantize_kv, quantize_kv
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -47,17 +47,9 @@ def torch_paged_attention(
             q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_mask, scale, kv_scale
         )
     for chunk in meta.prefills:
-        if chunk.block_table is None and k_cache.dtype == k.dtype:
-            keys = k[chunk.start : chunk.end].transpose(0, 1)
-            values = v[chunk.start : chunk.end].transpose(0, 1)
-        elif chunk.block_table is None:  # attend what the cache holds, as every later step will
-            keys = dequantize_kv(
-                quantize_kv(k[chunk.start : chunk.end], kv_scale.k, k_cache.dtype), kv_scale.k, q.dtype
-            )
-            values = dequantize_kv(
-                quantize_kv(v[chunk.start : chunk.end], kv_scale.v, v_cache.dtype), kv_scale.v, q.dtype
-            )
-            keys, values = keys.transpose(0, 1), values.transpose(0, 1)
+        if chunk.block_table is None:
+            keys = as_cached(k[chunk.start : chunk.end], kv_scale.k, k_cache.dtype).transpose(0, 1)
+            values = as_cached(v[chunk.start : chunk.end], kv_scale.v, v_cache.dtype).transpose(0, 1)
         else:
             keys = dequantize_kv(
                 gather_context(k_cache, chunk.block_table, chunk.context_len), kv_scale.k, q.dtype

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from replica.attention.metadata import AttentionMetadata
 from replica.cpu.abi import StepLayout
 from replica.cpu.build import load_library
-from replica.kv_quant import UNIT_SCALE, KVScale, dequantize_kv, quantize_kv
+from replica.kv_quant import UNIT_SCALE, KVScale, as_cached
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 # A cache dtype's kv_format in attention.c (kvserve_abi.h's KV_*) beside activations of
@@ -239,9 +239,7 @@ def _attend_fresh(
             rotary_embed(q, cos[start:end], sin[start:end]),
             rotary_embed(k, cos[start:end], sin[start:end]),
         )
-    if cache_dtype != q.dtype:
-        k = dequantize_kv(quantize_kv(k, kv_scale.k, cache_dtype), kv_scale.k, q.dtype)
-        v = dequantize_kv(quantize_kv(v, kv_scale.v, cache_dtype), kv_scale.v, q.dtype)
+    k, v = as_cached(k, kv_scale.k, cache_dtype), as_cached(v, kv_scale.v, cache_dtype)
     num_heads, head_dim = q.shape[1], q.shape[2]
 
     def batched(x: torch.Tensor) -> torch.Tensor:  # [B * L, heads, D] -> [B, heads, L, D]
