@@ -34,8 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     model_args.add_argument(
         "--quantization",
         default=None,
-        choices=["int8"],
-        help="int8: each decoder linear's weight in int8, its activations quantized per token (CPU)",
+        choices=["int8", "fp8"],
+        help="int8 (CPUs and GPUs) or fp8 (GPUs of compute capability 8.9+): each decoder linear's "
+        "weight in 8 bits, its activations quantized per token",
     )
     model_args.add_argument(
         "--kv-cache-dtype",

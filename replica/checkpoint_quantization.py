@@ -2,17 +2,20 @@
 kvserve runs it.
 
 kvserve runs compressed-tensors checkpoints (the format llm-compressor writes and vLLM
-loads) whose linears hold int8 weights, symmetric, one scale per output row (or one
-per tensor), in the int-quantized (or naive-quantized) format: llm-compressor's
-W8A8-INT8 scheme (its W8A16 scheme packs the int8 weights into int32s, pack-quantized,
-which is refused for now). Such a checkpoint runs as quantization="int8". It is
-converted once, as a GGUF file is (model_loader.py): a dense float32 copy that
-transformers loads, beside the checkpoint's scales, which PackedLinear gets back
-(`weight_scale` on each linear), so the int8 kernels multiply the checkpoint's own int8
-weights: float32 holds q * scale closely enough that round(w / scale) is q again.
-Activations are quantized per token at run time, whatever the checkpoint says about
-them (a static input scale is not used). Any other format (GPTQ, AWQ, bitsandbytes,
-FP8, 4-bit or packed compressed-tensors) is refused with an error that names it."""
+loads) whose linears hold 8-bit weights, symmetric, one scale per output row (or one per
+tensor):
+- int8 in the int-quantized (or naive-quantized) format: llm-compressor's W8A8-INT8
+  scheme, run as quantization="int8" (its W8A16 scheme packs the int8 weights into
+  int32s, pack-quantized, which is refused for now);
+- fp8 (e4m3) in the float-quantized format: its FP8 and FP8_DYNAMIC schemes, run as
+  quantization="fp8" (on GPUs that have fp8 GEMMs).
+Such a checkpoint is converted once, as a GGUF file is (model_loader.py): a dense float32
+copy that transformers loads, beside the checkpoint's scales, which the quantized
+linears get back (`weight_scale` on each linear), so the 8-bit kernels multiply the
+checkpoint's own weights: float32 holds q * scale closely enough that q comes back from
+w / scale. Activations are quantized per token at run time, whatever the checkpoint
+says about them (a static input scale is not used). Any other format (GPTQ, AWQ,
+bitsandbytes, 4-bit or packed compressed-tensors) is refused with an error that names it."""
 
 import hashlib
 import json
@@ -23,12 +26,17 @@ from pathlib import Path
 from replica.model_loader import ModelNotFoundError, cache_root
 
 SCALES_FILE = "kvserve_weight_scales.safetensors"  # "<linear>.weight_scale" -> fp32 [rows]
-INT_FORMATS = ("int-quantized", "naive-quantized")
+# format -> (the weights' type as config_groups states it, the engine's quantization)
+FORMATS = {
+    "int-quantized": ("int", "int8"),
+    "naive-quantized": ("int", "int8"),
+    "float-quantized": ("float", "fp8"),
+}
 
 
 def checkpoint_quantization(model_dir: Path) -> str | None:
-    """The engine's quantization for the checkpoint in model_dir ("int8"), or None for
-    a float one. Raises ModelNotFoundError for a quantized one kvserve cannot run."""
+    """The engine's quantization for the checkpoint in model_dir ("int8" or "fp8"), or
+    None for a float one. Raises ModelNotFoundError for a quantized one kvserve cannot run."""
     config = _quantization_config(model_dir)
     if config is None:
         return None
@@ -37,13 +45,13 @@ def checkpoint_quantization(model_dir: Path) -> str | None:
         detail = f", {config['bits']}-bit" if "bits" in config else ""
         raise ModelNotFoundError(
             f"{model_dir} is quantized with {method!r}{detail}, which kvserve cannot run: it runs "
-            "compressed-tensors int8 checkpoints, and quantizes a float checkpoint itself with "
-            "quantization='int8'"
+            "compressed-tensors int8 and fp8 checkpoints, and quantizes a float checkpoint itself "
+            "with quantization='int8' or 'fp8'"
         )
     why = _unsupported(config)
     if why:
         raise ModelNotFoundError(f"{model_dir} is a compressed-tensors checkpoint kvserve cannot run: {why}")
-    return "int8"
+    return FORMATS[config["format"]][1]
 
 
 def _quantization_config(model_dir: Path) -> dict | None:
@@ -58,13 +66,15 @@ def _unsupported(config: dict) -> str | None:
     """Why kvserve cannot run this compressed-tensors config, or None."""
     if config.get("kv_cache_scheme"):
         return "its KV cache is quantized (kv_cache_scheme), which kvserve does not support yet"
-    if config.get("format") not in INT_FORMATS:
-        return f"format {config.get('format')!r} (kvserve runs {' and '.join(INT_FORMATS)})"
+    fmt = config.get("format")
+    if fmt not in FORMATS:
+        return f"format {fmt!r} (kvserve runs {', '.join(FORMATS)})"
+    kind = FORMATS[fmt][0]
     groups = config.get("config_groups") or {}
     if not groups:
         return "no config_groups"
     for name, group in groups.items():
-        if group.get("format") not in (None, *INT_FORMATS):
+        if group.get("format") not in (None, fmt):
             return f"{name} has format {group['format']!r}"
         weights = group.get("weights") or {}
         scheme = (
@@ -73,16 +83,17 @@ def _unsupported(config: dict) -> str | None:
             weights.get("symmetric"),
             weights.get("strategy"),
         )
-        if scheme not in (("int", 8, True, "channel"), ("int", 8, True, "tensor")):
+        if scheme not in ((kind, 8, True, "channel"), (kind, 8, True, "tensor")):
             return (
                 f"{name}'s weights are {weights.get('num_bits')}-bit {weights.get('type')}, "
                 f"{'symmetric' if weights.get('symmetric') else 'asymmetric'}, per {weights.get('strategy')} "
-                "(kvserve runs 8-bit int, symmetric, per channel or per tensor)"
+                f"(a {fmt} checkpoint kvserve runs has 8-bit {kind} weights, symmetric, per channel or "
+                "per tensor)"
             )
     return None
 
 
-def dense_copy(model_dir: Path) -> Path:
+def dense_copy(model_dir: Path, quantization: str) -> Path:
     """A directory transformers loads as a float32 model, with SCALES_FILE beside the
     weights, made once per checkpoint under the kvserve cache."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
@@ -90,7 +101,7 @@ def dense_copy(model_dir: Path) -> Path:
         raise ModelNotFoundError(f"{model_dir} has no safetensors weights")
     stamp = ":".join(f"{f.resolve()}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
     key = hashlib.sha256(stamp.encode()).hexdigest()[:12]
-    target = cache_root() / "models" / f"{Path(model_dir).name}-int8-{key}"
+    target = cache_root() / "models" / f"{Path(model_dir).name}-{quantization}-{key}"
     if (target / SCALES_FILE).is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

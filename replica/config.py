@@ -9,8 +9,9 @@ SCHEDULING_POLICIES = ("fcfs", "priority", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flash_attn")
 CPU_KERNEL_CHOICES = ("auto", "gemm.c", "onednn", "torch")
-# vLLM's names. int8: int8 weights, activations quantized per token (replica/cpu/int8.py).
-QUANTIZATIONS = (None, "int8")
+# vLLM's names: int8 or fp8 (e4m3) weights, activations quantized per token; int8 on CPUs
+# (replica/cpu/int8.py) and GPUs, fp8 on GPUs (replica/quantized_linear.py).
+QUANTIZATIONS = (None, "int8", "fp8")
 # vLLM's names (replica/kv_quant.py); "auto" keeps K and V in the model's dtype.
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 
@@ -61,9 +62,10 @@ class EngineConfig:
     # machine (replica/cpu/kernel_choice.py; timings cached in ~/.cache/kvserve/kernels).
     # "gemm.c", "onednn" or "torch" force one, for A/B runs.
     cpu_kernels: str = "auto"
-    # Weight quantization at load, vLLM's argument. "int8": each decoder linear's weight
-    # in int8 with one scale per output row, its activations quantized per token at each
-    # step, and lm_head's alike; CPU only for now. The embeddings stay in `dtype`.
+    # Weight quantization at load, vLLM's argument. "int8" (CPUs and GPUs) or "fp8" (e4m3,
+    # GPUs of compute capability 8.9 or newer): each decoder linear's weight in 8 bits with
+    # one scale per output row, its activations quantized per token at each step, and
+    # lm_head's alike. The embeddings stay in `dtype`.
     quantization: str | None = None
     # The KV cache's element type, vLLM's argument (replica/kv_quant.py). "auto": the model's
     # dtype. "fp8" (e4m3, as "fp8_e4m3") or "fp8_e5m2": one byte per element, each layer's
@@ -122,10 +124,6 @@ class EngineConfig:
                 raise ValueError(f'cpu_cores must be "auto" or a list of core numbers, got {cores!r}')
         if self.cpu_kernels not in CPU_KERNEL_CHOICES:
             raise ValueError(f"cpu_kernels must be one of {CPU_KERNEL_CHOICES}, got {self.cpu_kernels!r}")
-        if self.quantization == "fp8":
-            raise ValueError(
-                "quantization='fp8' is not implemented yet: kvserve runs quantization='int8' (on CPU)"
-            )
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -53,6 +53,7 @@ from replica.lora.weights import AdapterWeights
 from replica.model_loader import ModelNotFoundError
 from replica.parallel.group import TPGroup
 from replica.parallel.sharding import num_kv_heads, shard_model
+from replica.quantized_linear import fp8_supported, quantize_linears
 from replica.weights_summary import WeightsSummary
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,36 @@ def _attention_backend_name(
     if config.attention_backend == "auto":
         logger.info("attention backend: %s (auto, on %s)", name, device.type)
     return name
+
+
+def check_quantization(
+    quantization: str, device: torch.device, dtype: torch.dtype, backend: str, group: TPGroup | None
+) -> None:
+    """Where each quantization runs: int8 on CPUs through kvserve's CPU kernels (float32 or
+    bfloat16), int8 and fp8 on GPUs (replica/quantized_linear.py; fp8 on sm_89 and newer)."""
+    if device.type == "cuda":
+        if group is not None:
+            raise ValueError(
+                f"quantization={quantization!r} on GPUs does not yet work with tensor_parallel_size > 1"
+            )
+        if quantization == "fp8" and not fp8_supported(device):
+            capability = ".".join(map(str, torch.cuda.get_device_capability(device)))
+            raise ValueError(
+                f"quantization='fp8' needs a GPU with fp8 GEMMs (compute capability 8.9 or newer); "
+                f"this {torch.cuda.get_device_name(device)} has {capability}: use quantization='int8'"
+            )
+        return
+    if quantization == "fp8":
+        raise ValueError(
+            "quantization='fp8' runs on GPUs with fp8 GEMMs (compute capability 8.9 or newer): on "
+            "CPUs torch's fp8 GEMM measured slower than float32 (bench/quantized_gemm.py), so use "
+            "quantization='int8' there"
+        )
+    if not (backend == CPU_KERNELS and dtype in PACKABLE_DTYPES):
+        raise ValueError(
+            f"quantization={quantization!r} runs on CPU with kvserve's CPU kernels in float32 "
+            f"or bfloat16; this engine has the {backend} attention backend on cpu in {dtype}"
+        )
 
 
 def _load_causal_lm(model_path, dtype: torch.dtype, attn_implementation: str) -> torch.nn.Module:
@@ -108,13 +139,11 @@ class ModelRunner:
                 raise ValueError(f"quantization={quantization!r}, but the checkpoint is {checkpoint}")
             if group is not None:
                 raise ValueError("a pre-quantized checkpoint does not yet work with tensor_parallel_size > 1")
-            quantization, model_path = checkpoint, dense_copy(model_path)
-        if quantization and not (name == CPU_KERNELS and self.dtype in PACKABLE_DTYPES):
-            raise ValueError(
-                f"quantization={quantization!r} runs on CPU with kvserve's CPU kernels in float32 "
-                f"or bfloat16; this engine has the {name} attention backend on {self.device.type} in "
-                f"{self.dtype}"
-            )
+            quantization = checkpoint
+        if quantization:
+            check_quantization(quantization, self.device, self.dtype, name, group)
+        if checkpoint:
+            model_path = dense_copy(model_path, checkpoint)
         self.backend = load_backend(name)
         # The engine's KV manager must use this, not config.block_size.
         self.block_size = effective_block_size(name, config.block_size)
@@ -136,6 +165,8 @@ class ModelRunner:
             q_heads, kv_heads = shard.num_q, shard.num_kv
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         self.model.to(self.device).eval()
+        if quantization and self.device.type == "cuda":
+            quantize_linears(self.model, quantization)
         fused = None
         if name == CPU_KERNELS:
             chooser = KernelChooser(

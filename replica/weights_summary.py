@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from replica.cpu.layers import PackedLinear
+from replica.quantized_linear import QuantizedLinear
 
 
 @dataclass
@@ -18,7 +19,7 @@ class WeightsSummary:
 
     @classmethod
     def of(cls, model: nn.Module, quantization: str | None) -> "WeightsSummary":
-        linears = [m for m in model.modules() if isinstance(m, PackedLinear | nn.Linear)]
+        linears = [m for m in model.modules() if isinstance(m, PackedLinear | QuantizedLinear | nn.Linear)]
         counted = {id(p) for m in linears for p in m.parameters(recurse=False)}
         other = sum(_nbytes(p) for p in model.parameters() if id(p) not in counted)
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
@@ -40,4 +41,5 @@ def _linear_bytes(module: nn.Module) -> int:
     """A packed linear's layouts (the unpacked weight, if tied to the embeddings, is not its)."""
     if isinstance(module, PackedLinear):
         return module.weight_bytes()
-    return sum(_nbytes(p) for p in module.parameters(recurse=False))
+    tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+    return sum(_nbytes(t) for t in tensors)

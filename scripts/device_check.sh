@@ -10,16 +10,19 @@
 #   1. install .whl/ into a temporary directory put on PYTHONPATH (the image has no registry);
 #   2. print the versions, nvidia-smi and the device;
 #   3. check that the engine, the offline API and bench/gpu.py import without Ray;
-#   4. the GPU tests (tests/test_gpu_path.py, tests/test_triton_attention.py,
-#      tests/test_lora_kernels.py): past their budget the rest are skipped, not started
-#      (tests/conftest.py), so the log and the JUnit XML name what ran;
-#   5. bench/gpu.py, which keeps its own budget and writes its JSON after every part.
-# On an H100 the whole stays under 8 minutes, so a second run fits the lease's 15.
+#   4. the GPU tests (tests/test_gpu_path.py, tests/test_quantized_linear.py,
+#      tests/test_triton_attention.py, tests/test_lora_kernels.py): past their budget the
+#      rest are skipped, not started (tests/conftest.py), so the log and the JUnit XML
+#      name what ran;
+#   5. bench/gpu.py, which keeps its own budget and writes its JSON after every part;
+#   6. bench/quantized_gemm.py: int8 and fp8 weights against bf16 (GEMMs, then the engine),
+#      likewise.
+# On an H200 steps 1-5 took 6 minutes; step 6 is held to 2.5 more.
 #
 # Output, under $OUT when set (the device tool sets it), else bench/results/ (rehearsal:
 # ${TMPDIR:-/tmp}/kvserve-device-rehearsal): device_check.log (versions, each step's
 # status and time), pytest.log, pytest_gpu_path.xml and pytest_triton.xml (JUnit),
-# gpu_<device>.json and gpu_bench.log.
+# gpu_<device>.json, gpu_bench.log, quantized_gemm_<device>.json and quantized_gemm.log.
 # The exit code is 0 only if every step passed.
 #
 # --rehearse proves on a CPU machine that the import closure, the carried files and the
@@ -27,7 +30,7 @@
 # on Python 3.11 (scripts/device_image.txt) and nothing the image lacks
 # (scripts/device_image_packages.txt); only .whl/ is added, as on the GPU machine. The
 # Triton tests run under TRITON_INTERPRET=1, CUDA-only tests skip with their reasons, and
-# bench/gpu.py runs with --smoke.
+# the benchmarks run with --smoke.
 # shellcheck disable=SC2317  # the steps' functions run through `bash -c`
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit
@@ -42,12 +45,16 @@ if [ $REHEARSE -eq 1 ]; then
   TESTS_BUDGET_S=${TESTS_BUDGET_S:-900}
   BENCH_ARGS=(--smoke)
   BENCH_HARD_S=${BENCH_HARD_S:-180}
+  QUANT_ARGS=(--smoke)
+  QUANT_HARD_S=${QUANT_HARD_S:-120}
   export TRITON_INTERPRET=1
 else
   OUT=${OUT:-bench/results}
   TESTS_BUDGET_S=${TESTS_BUDGET_S:-140}
   BENCH_ARGS=(--budget-s "${BENCH_BUDGET_S:-210}")
   BENCH_HARD_S=${BENCH_HARD_S:-285}
+  QUANT_ARGS=(--budget-s "${QUANT_BUDGET_S:-100}")
+  QUANT_HARD_S=${QUANT_HARD_S:-170}
 fi
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
@@ -156,6 +163,7 @@ imports() {
 import sys
 
 import bench.gpu  # noqa: F401
+import bench.quantized_gemm  # noqa: F401
 import replica.attention.triton_backend  # noqa: F401
 from replica import LLM  # noqa: F401
 
@@ -175,7 +183,8 @@ gpu_tests() {
   if "$PYTHON" -c "import xdist" 2>/dev/null; then
     parallel=(-n "$(($(nproc) < 8 ? $(nproc) : 8))")
   fi
-  "$PYTHON" -m pytest -p no:cacheprovider -q -rs --junitxml="$OUT/pytest_gpu_path.xml" tests/test_gpu_path.py || rc=$?
+  "$PYTHON" -m pytest -p no:cacheprovider -q -rs --junitxml="$OUT/pytest_gpu_path.xml" \
+    tests/test_gpu_path.py tests/test_quantized_linear.py || rc=$?
   "$PYTHON" -m pytest -p no:cacheprovider -q -rs --junitxml="$OUT/pytest_triton.xml" "${parallel[@]}" \
     tests/test_triton_attention.py tests/test_lora_kernels.py || rc=$?
   return "$rc"
@@ -186,6 +195,9 @@ step "GPU tests" "test budget ran out" "$OUT/pytest.log" $((TESTS_BUDGET_S + 30)
 
 step "bench/gpu.py" "cut short:" "$OUT/gpu_bench.log" "$BENCH_HARD_S" \
   "$PYTHON" bench/gpu.py --out-dir "$OUT" "${BENCH_ARGS[@]}"
+
+step "bench/quantized_gemm.py" "" "$OUT/quantized_gemm.log" "$QUANT_HARD_S" \
+  "$PYTHON" bench/quantized_gemm.py --out-dir "$OUT" "${QUANT_ARGS[@]}"
 
 rm -rf "$SITE" "$OUT/install.log" "$OUT/versions.log" "$OUT/imports.log"
 log ""

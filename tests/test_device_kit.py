@@ -1,7 +1,7 @@
-"""The device kit (scripts/device_wheels.sh, scripts/device_check.sh, bench/gpu.py) that
-takes kvserve to a lent GPU machine: what travels is exactly the listed wheels and the
-bundled tokenizer, within the size limit, and the GPU benchmark's smoke run writes every
-section. The whole rehearsal of the GPU run on CPU is `make device-rehearsal` (minutes:
+"""The device kit (scripts/device_wheels.sh, scripts/device_check.sh, bench/gpu.py,
+bench/quantized_gemm.py) that takes kvserve to a lent GPU machine: what travels is
+exactly the listed wheels and the bundled tokenizer, within the size limit, and the GPU
+benchmarks' smoke runs write every section. The whole rehearsal of the GPU run on CPU is `make device-rehearsal` (minutes:
 it builds a venv of the GPU image's versions)."""
 
 import json
@@ -147,10 +147,38 @@ def test_gpu_bench_smoke_writes_every_section(tmp_path):
     assert result["targets"]["speedup_vs_hf_generate_batch"]["status"] == "ran"
 
 
+def test_quantized_gemm_smoke_times_every_kernel_on_every_shape(tmp_path):
+    out = tmp_path / "quantized_gemm.json"
+    done = subprocess.run(
+        [sys.executable, "bench/quantized_gemm.py", "--smoke", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(out.read_text())
+    assert result["device"] == "cpu" and result["machine"]["torch"] == __import__("torch").__version__
+    assert result["engines"] == {"status": "skipped", "reason": "the engine part runs on CUDA only"}
+    kernels = {"float32", "bfloat16", "int8", "fp8", "fp8_weight_only"}
+    assert set(result["gemms"]) == {
+        "q_proj/o_proj",
+        "k_proj/v_proj",
+        "gate_proj/up_proj",
+        "down_proj",
+        "lm_head",
+    }
+    for gemm in result["gemms"].values():
+        assert sorted(gemm["seconds"]) == ["1", "40"]
+        for times in gemm["seconds"].values():
+            assert set(times) == kernels and all(t > 0 for t in times.values())
+
+
 def test_engine_offline_api_and_gpu_bench_import_without_ray():
-    """The GPU machine has no Ray: the engine, LLM and bench/gpu.py must not import it."""
+    """The GPU machine has no Ray: the engine, LLM and the GPU benchmarks must not import it."""
     code = (
-        "import sys; import bench.gpu, replica.attention.triton_backend; from replica import LLM; "
+        "import sys; import bench.gpu, bench.quantized_gemm, replica.attention.triton_backend; "
+        "from replica import LLM; "
         "assert 'ray' not in sys.modules, sorted(m for m in sys.modules if m.startswith('ray'))"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -105,7 +105,6 @@ def test_other_formats_are_refused_by_name(quantization_config, message, tiny, t
 @pytest.mark.parametrize(
     ("scheme", "message"),
     [
-        ("FP8", "format 'float-quantized'"),
         ("W4A16", "format 'pack-quantized'"),
         ("W8A16", "format 'pack-quantized'"),
     ],

@@ -12,6 +12,7 @@ from replica.attention.context import get_forward_context
 from replica.cpu.layers import PackedLinear
 from replica.lora.kernels import lora_delta
 from replica.lora.weights import AdapterWeights
+from replica.quantized_linear import QuantizedLinear
 
 
 class LoRALinear(nn.Module):
@@ -91,7 +92,7 @@ def wrap_targets(decoder: nn.Module, max_loras: int, max_rank: int) -> list[LoRA
         ):
             for name in names:
                 base = getattr(parent, name, None)
-                if not isinstance(base, nn.Linear | PackedLinear):
+                if not isinstance(base, nn.Linear | PackedLinear | QuantizedLinear):
                     raise ValueError(
                         f"enable_lora: layer {layer} of {type(decoder).__name__} has no linear {name}; "
                         "LoRA adapters run on Llama-family models"
