@@ -1,8 +1,8 @@
 """The device kit (scripts/device_wheels.sh, scripts/device_check.sh, bench/gpu.py,
 bench/quantized_gemm.py) that takes kvserve to a lent GPU machine: what travels is
 exactly the listed wheels and the bundled tokenizer, within the size limit, and the GPU
-benchmarks' smoke runs write every section. The whole rehearsal of the GPU run on CPU is `make device-rehearsal` (minutes:
-it builds a venv of the GPU image's versions)."""
+benchmarks' smoke runs write every section. The whole rehearsal of the GPU run on CPU is
+`make device-rehearsal` (minutes: it builds a venv of the GPU image's versions)."""
 
 import json
 import os
