@@ -109,17 +109,21 @@ def test_check_refuses_a_stray_or_missing_wheel_a_missing_tokenizer_and_an_overs
     assert refused.returncode != 0 and "over the limit of 1 MiB" in refused.stderr
 
 
-def test_gpu_bench_smoke_writes_every_section(tmp_path):
-    out = tmp_path / "gpu.json"
+def smoke_run(script: str, out: Path) -> tuple[dict, str]:
+    """A benchmark's --smoke run, writing `out`: its JSON and its output."""
     done = subprocess.run(
-        [sys.executable, "bench/gpu.py", "--smoke", "--out", str(out)],
+        [sys.executable, script, "--smoke", "--out", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    result = json.loads(out.read_text())
+    return json.loads(out.read_text()), done.stdout
+
+
+def test_gpu_bench_smoke_writes_every_section(tmp_path):
+    result, stdout = smoke_run("bench/gpu.py", tmp_path / "gpu.json")
     assert result["complete"] and result["smoke"] and result["device"] == "cpu"
     sections = ["engine", "cuda_graphs", "batch1_decode", "decode_kernel", "hf_model"]
     for key in sections:
@@ -137,7 +141,7 @@ def test_gpu_bench_smoke_writes_every_section(tmp_path):
         assert all(r["status"] == "ran" and r["requests"] == 8 for r in result["throughput"][system].values())
     for run in result["throughput"]["hf_static"].values():
         assert run["status"] == "ran" and run["requests"] == 4 and "first 1 of 2 batches" in run["subset"]
-    assert "cut short" not in done.stdout
+    assert "cut short" not in stdout
     assert set(result["targets"]) == {
         "speedup_vs_hf_static_at_cap_1536",
         "speedup_vs_hf_generate_batch",
@@ -148,16 +152,7 @@ def test_gpu_bench_smoke_writes_every_section(tmp_path):
 
 
 def test_quantized_gemm_smoke_times_every_kernel_on_every_shape(tmp_path):
-    out = tmp_path / "quantized_gemm.json"
-    done = subprocess.run(
-        [sys.executable, "bench/quantized_gemm.py", "--smoke", "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    result = json.loads(out.read_text())
+    result, _ = smoke_run("bench/quantized_gemm.py", tmp_path / "quantized_gemm.json")
     assert result["device"] == "cpu" and result["machine"]["torch"] == __import__("torch").__version__
     assert result["engines"] == {"status": "skipped", "reason": "the engine part runs on CUDA only"}
     kernels = {"float32", "bfloat16", "int8", "fp8", "fp8_weight_only"}
