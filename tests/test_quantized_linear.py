@@ -174,36 +174,45 @@ def test_fp8_is_accepted_and_refused_on_cpu_by_name(tiny):
         LLM(str(path), dtype="float32", device="cpu", quantization="fp8")
 
 
-def test_an_fp8_checkpoint_converts_to_its_own_fp8_weights(tiny, tmp_path, tokenizer):
-    """A compressed-tensors FP8_DYNAMIC checkpoint (made by the compressed-tensors package)
-    is recognised as fp8, refused on a CPU before anything is converted, and its dense
-    copy gives QuantizedLinear the checkpoint's own e4m3 weights and scales, bit for bit."""
+@pytest.mark.parametrize(
+    ("scheme", "kind", "fmt"),
+    [
+        ("FP8_DYNAMIC", "fp8", "float-quantized"),
+        ("FP8", "fp8", "float-quantized"),
+        ("W8A8", "int8", "int-quantized"),
+    ],
+)
+def test_a_checkpoint_converts_to_its_own_8_bit_weights(scheme, kind, fmt, tiny, tmp_path, tokenizer):
+    """A compressed-tensors checkpoint (made by the compressed-tensors package: FP8_DYNAMIC
+    per channel, FP8 per tensor, W8A8 int8 per channel) is recognised, an fp8 one refused
+    on a CPU before anything is converted, and its dense copy, loaded in bf16 as a GPU
+    loads it, gives QuantizedLinear the checkpoint's own weights and scales, bit for bit."""
     pytest.importorskip("compressed_tensors", reason="compressed-tensors is a dev dependency")
+    from safetensors import safe_open
+
     from bench.compressed_checkpoint import save_compressed
 
     _, model = tiny
-    checkpoint = tmp_path / "fp8"
-    quantized = save_compressed(model, checkpoint, tokenizer, "FP8_DYNAMIC")
-    config = json.loads((checkpoint / "config.json").read_text())["quantization_config"]
-    assert config["format"] == "float-quantized"
-    assert checkpoint_quantization(checkpoint) == "fp8"
-    with pytest.raises(ValueError, match="quantization='fp8' runs on GPUs"):
-        LLM(str(checkpoint), dtype="float32", device="cpu")
-    assert not (tmp_path / "cache" / "models").exists()  # refused before converting
+    checkpoint = tmp_path / scheme
+    quantized = save_compressed(model, checkpoint, tokenizer, scheme)
+    assert json.loads((checkpoint / "config.json").read_text())["quantization_config"]["format"] == fmt
+    assert checkpoint_quantization(checkpoint) == kind
+    if kind == "fp8":
+        with pytest.raises(ValueError, match="quantization='fp8' runs on GPUs"):
+            LLM(str(checkpoint), dtype="float32", device="cpu")
+        assert not (tmp_path / "cache" / "models").exists()  # refused before converting
 
-    dense = dense_copy(checkpoint, "fp8")
+    dense = dense_copy(checkpoint, kind)
     loaded = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.bfloat16).eval()
     attach_weight_scales(loaded, dense)
-    quantize_linears(loaded, "fp8")
-    from safetensors import safe_open
-
+    quantize_linears(loaded, kind)
     with safe_open(str(checkpoint / "model.safetensors"), framework="pt") as f:
         for name, weight in quantized.items():
             layer = loaded.get_submodule(name)
-            assert weight.dtype == FP8
+            assert weight.dtype == (FP8 if kind == "fp8" else torch.int8)
             assert torch.equal(layer.weight.view(torch.uint8), weight.view(torch.uint8)), name
             scale = f.get_tensor(f"{name}.weight_scale").float().reshape(-1)
-            assert torch.equal(layer.weight_scale, scale), name
+            assert torch.equal(layer.weight_scale, scale.expand(weight.shape[0])), name
 
 
 @needs_cuda
