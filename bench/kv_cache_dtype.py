@@ -9,7 +9,6 @@ and each is reported by its median throughput, beside its KV blocks and preempti
 """
 
 import argparse
-import json
 import os
 import random
 import statistics
@@ -24,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
 
-from bench.machine import machine  # noqa: E402
+from bench.machine import write_result  # noqa: E402
 from bench.offline import engine_record  # noqa: E402
 from replica import LLM, SamplingParams  # noqa: E402
 from replica.model_loader import resolve_model  # noqa: E402
@@ -115,19 +114,7 @@ def main() -> None:
             f"{name}: {results[name]['kv_cache']['blocks']} blocks, {median:.1f} tok/s "
             f"({median / base:.2f}x), preemptions {[r['preemptions'] for r in runs[name]]}"
         )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps(
-            {
-                "benchmark": "kv_cache_dtype",
-                "machine": machine(threads=args.threads),
-                "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-                "results": results,
-            },
-            indent=1,
-        )
-    )
-    print(f"wrote {args.out}")
+    write_result(args.out, "kv_cache_dtype", args, results=results)
 
 
 if __name__ == "__main__":

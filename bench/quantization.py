@@ -12,7 +12,6 @@ machine has it; nobody tuned on it).
 """
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -26,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from bench.machine import machine  # noqa: E402
+from bench.machine import write_result  # noqa: E402
 from bench.offline import engine_record  # noqa: E402
 from replica import LLM, SamplingParams  # noqa: E402
 
@@ -143,20 +142,8 @@ def main() -> None:
             f"{1 / row['decode_s_per_token']:.1f} tok/s ({ratio['decode_speedup']:.2f}x), "
             f"answers {sum(a['correct'] for a in row['answers'])}/{len(FACTS)}"
         )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps(
-            {
-                "benchmark": "quantization",
-                "machine": machine(threads=args.threads),
-                "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-                "text": {"path": str(TEXT), "tokens": len(token_ids)},
-                "results": results,
-            },
-            indent=1,
-        )
-    )
-    print(f"wrote {args.out}")
+    text = {"path": str(TEXT), "tokens": len(token_ids)}
+    write_result(args.out, "quantization", args, text=text, results=results)
 
 
 if __name__ == "__main__":
