@@ -59,9 +59,12 @@ class QuantizedLinear(nn.Module):
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
         self.kind, self.in_features, self.out_features = kind, linear.in_features, linear.out_features
-        q, scale = quantize_rows(linear.weight.detach(), kind, weight_scale)
+        weight = linear.weight.detach()
+        if weight_scale is not None:  # a checkpoint's, kept on the host until now
+            weight_scale = weight_scale.to(weight.device)
+        q, scale = quantize_rows(weight, kind, weight_scale)
         self.register_buffer("weight", q)
-        self.register_buffer("weight_scale", scale.to(q.device))
+        self.register_buffer("weight_scale", scale)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -106,10 +109,5 @@ def quantize_linears(model: nn.Module, kind: str) -> int:
     for name, linear in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        scale = getattr(linear, "weight_scale", None)
-        setattr(
-            parent,
-            child,
-            QuantizedLinear(linear, kind, None if scale is None else scale.to(linear.weight.device)),
-        )
+        setattr(parent, child, QuantizedLinear(linear, kind, getattr(linear, "weight_scale", None)))
     return len(targets)
