@@ -21,6 +21,7 @@ import hashlib
 import itertools
 import json
 import logging
+import math
 import os
 import tempfile
 import time
@@ -112,11 +113,15 @@ def buckets_up_to(max_rows: int) -> tuple[int, ...]:
 
 def interpolated(buckets: tuple[int, ...], seconds: list[float], rows: int) -> float:
     """A kernel's time at `rows`, linear between the buckets it was timed at (and the
-    first or last bucket's time outside them)."""
+    first or last bucket's time outside them). Infinite next to a bucket where it was not
+    timed (given up on): nothing is known of it there, and inf - inf would give NaN, which
+    loses every comparison and so would keep whatever kernel was compared against."""
     i = bisect.bisect_left(buckets, rows)
     if i == 0 or i == len(buckets):
         return seconds[min(i, len(buckets) - 1)]
     low, high = buckets[i - 1], buckets[i]
+    if math.isinf(seconds[i - 1]) or math.isinf(seconds[i]):
+        return math.inf
     return seconds[i - 1] + (seconds[i] - seconds[i - 1]) * (rows - low) / (high - low)
 
 
@@ -133,7 +138,11 @@ def fastest(buckets: tuple[int, ...], seconds: dict[str, list[float]]) -> Linear
     alone does not show (offline.py --kernel-ab measures the whole). A kernel that beats
     the default at one bucket only, between two where it does not, takes no row counts
     around it: such lone wins were noise (another kernel from one start-up to the next),
-    and each costs a layout and, for its steps, the one-call loop."""
+    and each costs a layout and, for its steps, the one-call loop. A win over a default
+    that was given up on (infinite) is never lone: the default cannot run there.
+
+    Infinite times (kernels given up on, time_buckets) never run: at every row count the
+    kernel chosen has a finite time wherever any kernel has one."""
     preferred = (*linear_kernels.INT8_KERNELS, linear_kernels.GEMM_C, linear_kernels.ONEDNN)
     default = next((k for k in preferred if k in seconds), next(iter(seconds)))
 
@@ -141,7 +150,11 @@ def fastest(buckets: tuple[int, ...], seconds: dict[str, list[float]]) -> Linear
         return seconds[kernel][i] * (1 + MARGIN) < seconds[default][i]
 
     def lone_win(kernel: str, i: int) -> bool:
-        return 0 < i < len(buckets) - 1 and not (beats_default(kernel, i - 1) or beats_default(kernel, i + 1))
+        return (
+            0 < i < len(buckets) - 1
+            and math.isfinite(seconds[default][i])
+            and not (beats_default(kernel, i - 1) or beats_default(kernel, i + 1))
+        )
 
     # kernel -> at each bucket, whether it may run at the row counts next to it
     trusted = {k: [k == default or not lone_win(k, i) for i in range(len(buckets))] for k in seconds}
@@ -185,10 +198,27 @@ def _time_rounds(calls: dict[str, Callable[[], None]]) -> dict[str, float]:
     return best
 
 
+def time_buckets(
+    kernels: list[str], buckets: tuple[int, ...], measure: Callable[[int, list[str]], dict[str, float]]
+) -> dict[str, list[float]]:
+    """Each kernel's seconds at each bucket, measure(rows, kernels) timing the kernels
+    still in the running at that bucket's rows: one GIVE_UP_RATIO times slower than the
+    fastest at a bucket is not timed at larger ones, and counts as infinite there."""
+    times: dict[str, list[float]] = {kernel: [] for kernel in kernels}
+    timed = list(kernels)
+    for rows in buckets:
+        measured = measure(rows, timed)
+        for kernel in kernels:
+            times[kernel].append(measured.get(kernel, math.inf))
+        best = min(measured.values())
+        timed = [k for k in timed if measured[k] <= GIVE_UP_RATIO * best]
+    return times
+
+
 def time_linears(kernels: list[str], shape: LinearShape, buckets: tuple[int, ...]) -> dict[str, list[float]]:
     """Seconds per call of each kernel on a random weight of `shape` at each bucket's
-    rows, cycling through copies of the weight so that each call reads it from memory, as
-    a step reads each layer's weights once."""
+    rows (time_buckets), cycling through copies of the weight so that each call reads it
+    from memory, as a step reads each layer's weights once."""
     g = torch.Generator().manual_seed(0)
     weight = (torch.randn(shape.out_features, shape.in_features, generator=g) * 0.02).to(shape.dtype)
     weight_bytes = weight.numel() * weight.element_size()
@@ -200,21 +230,17 @@ def time_linears(kernels: list[str], shape: LinearShape, buckets: tuple[int, ...
         )
         for kernel in kernels
     }
-    times: dict[str, list[float]] = {kernel: [] for kernel in kernels}
-    timed = list(kernels)
-    for rows in buckets:
+
+    def measure(rows: int, timed: list[str]) -> dict[str, float]:
         x = torch.randn(rows, shape.in_features, generator=g).to(shape.dtype)
 
-        def call(kernel: str, x=x) -> None:
+        def call(kernel: str) -> None:
             w, b = next(layouts[kernel])
             linear_kernels.run(kernel, x, w, b, out_features, shape.gated)
 
-        measured = _time_rounds({k: functools.partial(call, k) for k in timed})
-        for kernel in kernels:
-            times[kernel].append(measured.get(kernel, float("inf")))
-        best = min(measured.values())
-        timed = [k for k in timed if measured[k] <= GIVE_UP_RATIO * best]
-    return times
+        return _time_rounds({k: functools.partial(call, k) for k in timed})
+
+    return time_buckets(kernels, buckets, measure)
 
 
 def time_fresh_prefill(

@@ -1,0 +1,177 @@
+"""The CPU kernel chooser's choice (replica/cpu/kernel_choice.py: time_buckets' give-up
+rule, then fastest) as properties: over arbitrary timing tables (finite and infinite
+times, ties, kernels given up at any bucket), and replayed on the recorded timings of
+every machine seen. A kernel that was not timed at a row count, or lost there by more
+than the margin, never runs there.
+
+Recorded timings come from three places, so that a new machine's timings are added by
+dropping its file in: tests/data/kernel_timings/ and ../shared/machines/ (the timing
+cache's own format, ~/.cache/kvserve/kernels/timings_*.json) and bench/results/
+kernel_choice_*.json (what bench/kernel_choice.py writes)."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from replica.cpu.kernel_choice import GIVE_UP_RATIO, MARGIN, fastest, interpolated, time_buckets
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNELS = ("int8 gemm.c", "gemm.c", "onednn", "torch")
+
+
+def recorded_tables() -> list[tuple[str, dict[str, dict[str, float]]]]:
+    """(where, {kernel: {bucket rows: seconds}}) for every linear of every machine seen."""
+    tables, seen = [], set()
+    cache_files = [*sorted((ROOT / "tests/data/kernel_timings").glob("*.json"))]
+    cache_files += sorted((ROOT.parent / "shared/machines").glob("*kernel_timings*.json"))
+    for path in cache_files:
+        if path.read_bytes() in seen:  # a shared file already copied into tests/data
+            continue
+        seen.add(path.read_bytes())
+        timings = json.loads(path.read_text())["timings"]
+        tables += [(f"{path.name}: {key}", t) for key, t in timings.items() if key.startswith("linear")]
+    for path in sorted((ROOT / "bench/results").glob("kernel_choice_*.json")):
+        for run in json.loads(path.read_text())["runs"]:
+            for key, t in run["seconds"].items():
+                if key.startswith("linear"):
+                    tables.append((f"{path.name} ({run['threads']} threads): {key}", t))
+    return tables
+
+
+RECORDED = recorded_tables()
+
+
+def trusted(buckets, seconds, default, kernel, i) -> bool:
+    """fastest()'s lone-win rule, stated on its own: a kernel that beats the default by
+    the margin at neither neighbour of an inner bucket, where the default has a time, does
+    not run next to that bucket (noise, in the timings seen)."""
+
+    def beats(j):
+        return seconds[kernel][j] * (1 + MARGIN) < seconds[default][j]
+
+    inner = 0 < i < len(buckets) - 1
+    return kernel == default or not (
+        inner and math.isfinite(seconds[default][i]) and not (beats(i - 1) or beats(i + 1))
+    )
+
+
+def default_of(seconds) -> str:
+    return next((k for k in KERNELS if k in seconds), next(iter(seconds)))
+
+
+def check_choice(buckets, seconds) -> None:
+    """At every row count from 1 to the last bucket: the kernel chosen has a finite time
+    wherever any kernel has one, and is within MARGIN of the fastest kernel that may run
+    there (the lone-win rule aside)."""
+    choice = fastest(buckets, seconds)
+    default = default_of(seconds)
+    for rows in range(1, buckets[-1] + 1):
+        above = min(next(i for i, b in enumerate(buckets) if b >= rows), len(buckets) - 1)
+        around = (above,) if buckets[above] == rows else (above - 1, above)
+        times = {k: interpolated(buckets, s, rows) for k, s in seconds.items()}
+        allowed = [k for k in seconds if all(trusted(buckets, seconds, default, k, i) for i in around)]
+        chosen = choice.kernel_for(rows)
+        where = f"{rows} rows: chose {chosen} ({times[chosen]:.3g} s) among {times}"
+        if any(math.isfinite(t) for t in times.values()):
+            assert math.isfinite(times[chosen]), where
+        best = min(times[k] for k in allowed)
+        assert chosen in allowed, where
+        assert times[chosen] <= (1 + MARGIN) * best or times[chosen] == best, where
+
+
+# A time: a handful of shared values (ties), any positive value, or given up on.
+times_st = st.one_of(st.sampled_from([1e-4, 2e-4, 1e-3]), st.floats(1e-6, 1.0), st.just(math.inf))
+
+
+@st.composite
+def tables(draw, pruned: bool):
+    """Buckets and {kernel: seconds per bucket}: arbitrary (any kernel infinite at any
+    bucket), or as time_buckets leaves them (given up after losing by GIVE_UP_RATIO)."""
+    buckets = tuple(sorted(draw(st.sets(st.integers(1, 300), min_size=1, max_size=6))))
+    kernels = draw(st.lists(st.sampled_from(KERNELS), min_size=1, max_size=4, unique=True))
+    if not pruned:
+        return buckets, {
+            k: draw(st.lists(times_st, min_size=len(buckets), max_size=len(buckets))) for k in kernels
+        }
+    raw = {
+        k: draw(st.lists(st.floats(1e-6, 1.0), min_size=len(buckets), max_size=len(buckets))) for k in kernels
+    }
+    index = {b: i for i, b in enumerate(buckets)}
+    return buckets, time_buckets(
+        kernels, buckets, lambda rows, timed: {k: raw[k][index[rows]] for k in timed}
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(tables(pruned=False))
+def test_any_table_never_runs_an_infinite_or_beaten_kernel(table):
+    check_choice(*table)
+
+
+@settings(max_examples=300, deadline=None)
+@given(tables(pruned=True))
+def test_tables_with_kernels_given_up_never_run_them(table):
+    buckets, seconds = table
+    for s in seconds.values():  # once given up on, a kernel stays given up on
+        first = next((i for i, t in enumerate(s) if math.isinf(t)), len(s))
+        assert all(math.isinf(t) for t in s[first:])
+    assert all(any(math.isfinite(s[i]) for s in seconds.values()) for i in range(len(buckets)))
+    check_choice(buckets, seconds)
+
+
+def test_a_default_given_up_on_runs_at_no_row_count_above():
+    """The AMX Xeon's case: gemm.c (the default) given up after 64 rows; between two of
+    its infinite buckets its time was NaN, which lost no comparison, so it kept them."""
+    buckets = (1, 8, 32, 64, 128, 256, 512, 2048)
+    inf = math.inf
+    seconds = {
+        "gemm.c": [0.07, 0.10, 0.35, 0.67, inf, inf, inf, inf],
+        "onednn": [0.10, 0.09, 0.11, 0.13, 0.16, 0.37, 0.82, 1.62],
+    }
+    choice = fastest(buckets, seconds)
+    assert all(choice.kernel_for(rows) == "onednn" for rows in range(65, 4097))
+    assert math.isinf(interpolated(buckets, seconds["gemm.c"], 200))
+    assert math.isinf(interpolated(buckets, seconds["gemm.c"], 100))
+    assert interpolated(buckets, seconds["gemm.c"], 4096) == inf
+
+
+def test_the_recorded_machines_are_all_here():
+    """The replay below covers the AMX Xeons (2 and 16 cores), the AVX2 EPYC and the
+    AVX512-BF16 EPYC: a missing file would silently shrink it."""
+    names = {where.split(":")[0].split(" (")[0] for where, _ in RECORDED}
+    assert {
+        "intel_xeon_amx_2c.json",
+        "kernel_choice_intel_xeon_amx_h200_host.json",
+        "kernel_choice_amd_epyc.json",
+        "kernel_choice_amd_epyc_zen4.json",
+    } <= names
+
+
+@pytest.mark.parametrize("where,table", RECORDED, ids=[where for where, _ in RECORDED])
+def test_recorded_machines_choose_within_the_margin(where, table):
+    """Each machine's recorded times, through today's give-up rule and fastest(): the
+    kernel chosen at every row count is one that was timed there and within the margin of
+    the best (times between buckets interpolated), against the recorded times themselves."""
+    buckets = tuple(sorted({int(b) for t in table.values() for b in t}))
+    kernels = list(table)
+    raw = {k: [table[k].get(str(b), math.inf) for b in buckets] for k in kernels}
+    index = {b: i for i, b in enumerate(buckets)}
+    pruned = time_buckets(kernels, buckets, lambda rows, timed: {k: raw[k][index[rows]] for k in timed})
+    choice = fastest(buckets, pruned)
+    check_choice(buckets, pruned)
+    # Against the recorded times, where the give-up rule took nothing the fastest needed.
+    for i, rows in enumerate(buckets):
+        chosen = choice.kernel_for(rows)
+        best = min(raw[k][i] for k in kernels)
+        assert math.isfinite(raw[chosen][i])
+        default = default_of(raw)
+        if not trusted(buckets, raw, default, min(kernels, key=lambda k: raw[k][i]), i):
+            continue  # a lone win, left to the default
+        assert raw[chosen][i] <= (1 + MARGIN) * best, (
+            f"{rows} rows: {chosen} {raw[chosen][i]:.3g} s, best {best:.3g} s"
+        )
+    assert GIVE_UP_RATIO > 1 + MARGIN
