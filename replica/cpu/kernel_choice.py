@@ -298,6 +298,8 @@ class KernelChooser:
         self.timings: dict[str, dict[str, dict[str, float]]] = self._read_cache()
         self.measured: set[str] = set()
         self.chosen: dict[str, str] = {}  # what was chosen where, for the log line
+        # Every layer of a model has the same shapes: each is chosen once per load.
+        self._choices: dict[tuple[LinearShape, tuple[int, ...]], LinearChoice] = {}
 
     def linear(self, shape: LinearShape, max_rows: int | None = None) -> LinearChoice:
         """The kernel per row count for a linear of `shape` in steps of up to max_rows
@@ -314,10 +316,12 @@ class KernelChooser:
             choice = LinearChoice.forced(kernel)
         else:
             buckets = buckets_up_to(max_rows or self.max_rows)
-            seconds = self._timed(
-                shape.key(), runnable, buckets, lambda: time_linears(runnable, shape, buckets)
-            )
-            choice = fastest(buckets, seconds)
+            choice = self._choices.get((shape, buckets))
+            if choice is None:
+                seconds = self._timed(
+                    shape.key(), runnable, buckets, lambda: time_linears(runnable, shape, buckets)
+                )
+                choice = self._choices[shape, buckets] = fastest(buckets, seconds)
         self.chosen[shape.key().removeprefix("linear ")] = choice.describe()
         return choice
 
