@@ -10,12 +10,12 @@ from collections import OrderedDict
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
 import torch
 
 from replica.sampling_params import StructuredOutputs
 
 COMPILED_GRAMMARS_KEPT = 256
+BIT_POSITIONS = torch.arange(32, dtype=torch.int32)
 
 
 class GrammarCompiler:
@@ -42,14 +42,23 @@ class GrammarCompiler:
 
     def mask(self, logits: torch.Tensor, rows: list[int], matchers: list[llguidance.LLMatcher]) -> None:
         """Keep only the allowed tokens in logits[rows] (in place); ids past the
-        tokenizer's vocabulary (a model's padding rows) are never allowed."""
-        bitmask = llguidance.torch.allocate_token_bitmask(len(rows), self.tokenizer.vocab_size)
+        tokenizer's vocabulary (a model's padding rows) are never allowed.
+
+        The matchers write one bit per token into 32-bit words, unpacked here with plain
+        torch ops: llguidance.torch's own helper is a torch.compile'd function, whose
+        import (torch._dynamo) added about 2 s to every engine's start and whose first
+        call compiled for seconds more."""
+        words = -(-self.tokenizer.vocab_size // 32)
+        bitmask = torch.zeros(len(rows), words, dtype=torch.int32)
         for i, matcher in enumerate(matchers):
-            llguidance.torch.fill_next_token_bitmask(matcher, bitmask, i)
-        index = torch.tensor(rows, device=logits.device)
-        constrained = logits[index].float()
-        llguidance.torch.apply_token_bitmask_inplace(constrained, bitmask.to(logits.device))
-        logits[index] = constrained.to(logits.dtype)
+            matcher.unsafe_compute_mask_ptr(bitmask[i].data_ptr(), words * bitmask.element_size())
+        device = logits.device
+        bits = (bitmask.to(device)[:, :, None] >> BIT_POSITIONS.to(device)) & 1
+        allowed = torch.zeros(len(rows), logits.shape[1], dtype=torch.bool, device=device)
+        covered = min(logits.shape[1], 32 * words)
+        allowed[:, :covered] = bits.view(len(rows), -1)[:, :covered].bool()
+        index = torch.tensor(rows, device=device)
+        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
 
 def apply_logit_bias(logits: torch.Tensor, rows: list[int], biases: list[dict[int, float]]) -> None:
