@@ -7,6 +7,8 @@ which the runner profiles on a throwaway cache.
 """
 
 import logging
+import math
+import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,7 +38,10 @@ class KVCacheLayout:
 
     def allocate(self, num_blocks: int) -> KVCaches:
         shape = self.backend.kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        # zeros: on CPU the pages stay unmapped until first written.
+        if self.device.type == "cpu":
+            return [
+                (lazy_zeros(shape, self.dtype), lazy_zeros(shape, self.dtype)) for _ in range(self.num_layers)
+            ]
         return [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -44,6 +49,16 @@ class KVCacheLayout:
             )
             for _ in range(self.num_layers)
         ]
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of zeros on anonymous memory of its own: the kernel maps each page when
+    it is first written and unmaps all of them when the tensor goes. torch.zeros writes
+    every page at once, so a 1 GB cache of which a few blocks are used held 1 GB resident,
+    and its freed pages stayed with the allocator rather than the machine."""
+    count = math.prod(shape)
+    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=dtype, count=count).view(shape)
 
 
 def kv_blocks_for_memory(memory_gb: float, bytes_per_block: int) -> int:
