@@ -111,6 +111,10 @@ class AppConfig(BaseModel):
     max_request_bytes: int = Field(default=DEFAULT_MAX_REQUEST_BYTES, ge=1024)  # larger bodies: 413
     # How often one stream may move to another replica when its replica dies mid-stream.
     max_migrations: int = Field(default=DEFAULT_MAX_MIGRATIONS, ge=0)
+    # How often Serve asks each LLM replica whether its engine thread and its tensor-parallel
+    # workers are alive (Serve's default); after three failed checks in a row it replaces
+    # the replica, so a replica whose worker died is replaced within about 3x this.
+    health_check_period_s: float = Field(default=10.0, gt=0)
     # Clients must send one of these (HTTP `Authorization: Bearer`, gRPC metadata
     # `authorization`); empty: no keys. Prefer the KVSERVE_API_KEYS variable of `kvserve serve`.
     api_keys: list[str] = Field(default_factory=list, repr=False)
@@ -282,6 +286,7 @@ def _replicas(
         name="LLMServer" if group is None else f"LLMServer-{group.name}",
         max_ongoing_requests=config.max_ongoing_requests,
         max_queued_requests=config.max_queued_requests,
+        health_check_period_s=config.health_check_period_s,
         ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus},
         **options,
     ).bind(
