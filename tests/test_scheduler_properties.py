@@ -3,6 +3,8 @@ accounting consistent and ends with every block free; under the priority policy,
 scheduler admits and preempts by priority, and with equal priorities it makes exactly
 the fcfs scheduler's decisions."""
 
+import itertools
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
@@ -145,6 +147,7 @@ class PrioritySchedulerMachine(SchedulerMachine):
     def __init__(self):
         super().__init__()
         self.admitted: dict[str, int] = {}  # request id -> when it was last admitted
+        self.admissions = itertools.count()  # not len(admitted): readmissions reuse keys
 
     @rule(
         prompt=st.lists(st.integers(0, 2), min_size=1, max_size=20),
@@ -165,7 +168,7 @@ class PrioritySchedulerMachine(SchedulerMachine):
         plan = self.scheduler.schedule()
         admitted = [r for r in self.scheduler.running if r.request_id not in before]
         for request in admitted:
-            self.admitted[request.request_id] = len(self.admitted)
+            self.admitted[request.request_id] = next(self.admissions)
             for waiting in self.scheduler.waiting:  # nobody still waiting goes first
                 assert _rank(request) < _rank(waiting)
         survivors = [r for r in self.scheduler.running if r.request_id in before]
@@ -184,6 +187,33 @@ class PrioritySchedulerMachine(SchedulerMachine):
 
 PrioritySchedulerMachine.TestCase.settings = _settings
 TestPriorityScheduler = PrioritySchedulerMachine.TestCase
+
+
+def test_priority_machine_numbers_a_readmission_apart_from_later_admissions():
+    """Regression for the machine's own bookkeeping: it once numbered an admission
+    len(self.admitted), which a readmitted request (its key already there) left
+    unchanged, so the next new request got the same number. A readmitted survivor and a
+    later victim of its priority then tied, and the step rule's "survivor came before"
+    check failed although the scheduler preempted the right request. Replays that: A is
+    preempted and readmitted, C arrives after, and C is preempted while A keeps running."""
+    machine = PrioritySchedulerMachine()
+    machine.add(prompt=[0] * 4, max_tokens=20, priority=0)  # A
+    machine.add(prompt=[0], max_tokens=1, priority=0)  # B: done after one step
+    machine.step(token=0)
+    a = machine.live["0"]
+    machine.scheduler.preempt(a)  # what the preempt rule does
+    machine.step(token=0)  # A readmitted
+    assert a in machine.scheduler.running
+    machine.add(prompt=[1] * 24, max_tokens=12, priority=0)  # C: more than the free blocks
+    c = machine.live["2"]
+    for _ in range(30):
+        machine.step(token=0)  # the survivor check runs here
+        if c.num_preemptions:
+            break
+    assert c.num_preemptions == 1 and a.num_preemptions == 1
+    assert machine.scheduler.running == [a]
+    assert machine.admitted[a.request_id] < machine.admitted[c.request_id]
+    machine.teardown()
 
 
 def _rank(request: Request) -> tuple[int, float]:
