@@ -6,6 +6,7 @@ import json
 import pathlib
 import uuid
 
+import anthropic
 import grpc
 import httpx
 import pytest
@@ -30,6 +31,7 @@ from router.protos import kvserve_pb2_grpc as pb_grpc
 APP = "input-test"
 MODEL = "SmolLM2-135M-Instruct"
 KEY = f"sk-test-{uuid.uuid4().hex}"
+SECOND_KEY = f"sk-second-{uuid.uuid4().hex}"
 WRONG_KEY = f"sk-wrong-{uuid.uuid4().hex}"
 BASE = f"http://127.0.0.1:{SERVE_HTTP_PORT}/{APP}"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -42,7 +44,7 @@ def app(ray_cluster, model_path):
         "app_name": APP,
         "model": str(model_path),
         "served_model_name": MODEL,
-        "api_keys": [KEY],
+        "api_keys": [KEY, SECOND_KEY],
         "max_request_bytes": MAX_BODY,
         # A short context keeps every generated answer short, whatever max_tokens says.
         "engine_args": {"num_kv_blocks": 64, "max_model_len": 48},
@@ -95,6 +97,8 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}]}
         ("/v1/chat/completions", {**CHAT, "messages": [{"role": "robot", "content": "hi"}]}),
         ("/v1/chat/completions", {**CHAT, "top_logprobs": 100, "logprobs": True}),
         ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 0}),
+        # This app serves the model's directory, whose own chat template renders no tools.
+        ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}),
     ],
 )
 def test_bad_input_gets_400(app, path, body):
@@ -149,7 +153,34 @@ def test_keys_are_required_and_never_logged(app):
     assert any(p.name.startswith("replica_") for p in files)  # the replicas' logs are there
     for path in files:
         text = path.read_bytes()
-        assert KEY.encode() not in text and WRONG_KEY.encode() not in text, path
+        assert all(key.encode() not in text for key in (KEY, SECOND_KEY, WRONG_KEY)), path
+
+
+def test_any_of_the_keys_opens_grpc_http_and_the_messages_routes(app):
+    """With two keys, either one works, over gRPC, HTTP, and the Messages routes with the
+    x-api-key header Anthropic's SDK sends; no key or a wrong one is refused."""
+    stub = pb_grpc.LLMStub(grpc.insecure_channel(f"127.0.0.1:{SERVE_GRPC_PORT}"))
+    request = pb.GenerateRequest(
+        model=MODEL,
+        prompt="The three primary colours are",
+        params=pb.SamplingParams(max_tokens=4, temperature=0),
+    )
+    for key in (None, WRONG_KEY):
+        metadata = [("application", APP)] + ([("authorization", f"Bearer {key}")] if key else [])
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Generate(request, metadata=metadata)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED and "API key" in info.value.details()
+    assert stub.Generate(
+        request, metadata=[("application", APP), ("authorization", f"Bearer {SECOND_KEY}")]
+    ).text
+    assert httpx.get(BASE + "/v1/models").status_code == 401
+    assert httpx.get(BASE + "/v1/models", headers=AUTH).status_code == 200
+    question = [{"role": "user", "content": "Hi"}]
+    keyed = anthropic.Anthropic(base_url=BASE, api_key=SECOND_KEY, max_retries=0)
+    assert keyed.messages.count_tokens(model=MODEL, messages=question).input_tokens > 0
+    with pytest.raises(anthropic.AuthenticationError) as info:
+        keyed.with_options(api_key=WRONG_KEY).messages.count_tokens(model=MODEL, messages=question)
+    assert info.value.body["error"]["type"] == "authentication_error"
 
 
 CHECKS = [

@@ -114,7 +114,9 @@ def test_a_replica_running_other_versions_than_the_app_was_built_with_refuses_to
 
     running = running_versions()["kvserve"]
     built_with = {**running_versions(), "kvserve": "0.0.1"}
-    app = LLMServer.options(name="llm-other-versions").bind({"model": str(model_path)}, None, built_with)
+    # One start: Serve would otherwise try a failing constructor three times.
+    options = {"name": "llm-other-versions", "max_constructor_retry_count": 1}
+    app = LLMServer.options(**options).bind({"model": str(model_path)}, None, built_with)
     message = (
         f"this replica on node .* runs kvserve {re.escape(running)} here but 0.0.1 where the application"
     )

@@ -91,9 +91,9 @@ def test_a_replica_kill_retries_queued_requests_and_leaks_nothing(ray_cluster, m
     serve.run(build_app(config), name=app, route_prefix=f"/{app}")
     try:
         url = f"http://127.0.0.1:{SERVE_HTTP_PORT}/{app}/v1/completions"
-        # Long enough answers that the queues stay full for seconds, however fast the
-        # engine or slow the machine.
-        max_tokens = 128
+        # Long enough answers that the queues stay full for seconds (each replica runs one
+        # request with about three waiting), however fast the engine or slow the machine.
+        max_tokens = 64
         body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True}
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             futures = [pool.submit(stream_completion, url, body) for _ in range(8)]

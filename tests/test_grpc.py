@@ -4,12 +4,11 @@ import concurrent.futures
 import json
 import time
 
-import anthropic
 import grpc
 import httpx
 import pytest
 import ray
-from conftest import SERVE_GRPC_PORT, SERVE_HTTP_PORT, replica_actor, undeploy
+from conftest import AGENT_APP, SERVE_GRPC_PORT, SERVE_HTTP_PORT, replica_actor, undeploy
 from ray import serve
 
 from deployments.app import build_app
@@ -17,7 +16,7 @@ from replica.wire import ReplicaReport
 from router.protos import kvserve_pb2 as pb
 from router.protos import kvserve_pb2_grpc as pb_grpc
 
-APP = "grpc-test"
+APP = AGENT_APP
 MODEL = "SmolLM2-135M-Instruct"
 PROMPT = "The three primary colours are"
 
@@ -29,12 +28,12 @@ def deploy(name: str, **config) -> None:
 
 
 @pytest.fixture(scope="module")
-def stub(ray_cluster, model_path):
-    deploy(APP, model=str(model_path), chat_template="chatml_tools")
+def stub(agent_app):
+    """On the session's app (conftest.py's agent_app: the bundled model in fp32, its chat
+    template rendering tools)."""
     channel = grpc.insecure_channel(f"127.0.0.1:{SERVE_GRPC_PORT}")
     yield pb_grpc.LLMStub(channel)
     channel.close()
-    undeploy(APP)
 
 
 def meta(app: str = APP, key: str | None = None) -> list[tuple[str, str]]:
@@ -224,33 +223,6 @@ def test_16_concurrent_streams(stub):
     ]
     assert texts[0] == singles[0].text and texts[15] == singles[1].text
     assert all(texts)
-
-
-def test_unauthenticated_without_the_key(ray_cluster, model_path):
-    deploy("grpc-keys", model=str(model_path), api_keys=["k-one", "k-two"])
-    try:
-        stub = pb_grpc.LLMStub(grpc.insecure_channel(f"127.0.0.1:{SERVE_GRPC_PORT}"))
-        request = pb.GenerateRequest(model=MODEL, prompt=PROMPT, params=greedy(4))
-        for key in (None, "wrong"):
-            expect_status(
-                lambda key=key: stub.Generate(request, metadata=meta("grpc-keys", key)),
-                grpc.StatusCode.UNAUTHENTICATED,
-                "API key",
-            )
-        assert stub.Generate(request, metadata=meta("grpc-keys", "k-two")).text
-        url = f"http://127.0.0.1:{SERVE_HTTP_PORT}/grpc-keys/v1/models"
-        assert httpx.get(url).status_code == 401
-        assert httpx.get(url, headers={"Authorization": "Bearer k-one"}).status_code == 200
-        # Anthropic's SDK sends its key as x-api-key, which the Messages routes take too.
-        base = f"http://127.0.0.1:{SERVE_HTTP_PORT}/grpc-keys"
-        question = [{"role": "user", "content": "Hi"}]
-        keyed = anthropic.Anthropic(base_url=base, api_key="k-two", max_retries=0)
-        assert keyed.messages.count_tokens(model=MODEL, messages=question).input_tokens > 0
-        with pytest.raises(anthropic.AuthenticationError) as info:
-            keyed.with_options(api_key="wrong").messages.count_tokens(model=MODEL, messages=question)
-        assert info.value.body["error"]["type"] == "authentication_error"
-    finally:
-        undeploy("grpc-keys")
 
 
 def test_resource_exhausted_and_unavailable(ray_cluster, model_path):

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible endpoint on a real local Serve app, called with the official client."""
+"""The OpenAI-compatible endpoint on a real local Serve app (conftest.py's agent_app),
+called with the official client."""
 
 import time
 
@@ -6,11 +7,10 @@ import httpx
 import openai
 import pytest
 import ray
-from conftest import SERVE_HTTP_PORT, undeploy, wait_for
+from conftest import AGENT_APP, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
-from deployments.app import build_app
 from replica import SamplingParams
 from replica.wire import ReplicaReport
 from router.coordinator import coordinator_address, get_coordinator
@@ -19,18 +19,10 @@ MODEL = "SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="module")
-def base_url(ray_cluster, model_path):
-    app = build_app(
-        {
-            "app_name": "http-test",
-            "model": str(model_path),
-            "served_model_name": MODEL,
-            "engine_args": {"dtype": "float32", "kv_cache_memory_gb": 0.25},
-        }
-    )
-    serve.run(app, name="http-test", route_prefix="/")
-    yield f"http://127.0.0.1:{SERVE_HTTP_PORT}"
-    undeploy("http-test")
+def base_url(agent_app):
+    """The session's Serve app on the bundled model (fp32, 0.25 GB of KV), as `make run`
+    serves it."""
+    return agent_app
 
 
 @pytest.fixture(scope="module")
@@ -157,15 +149,6 @@ def test_stop_max_tokens_seed_logprobs(client):
             {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"},
             400,
         ),
-        (  # SmolLM2's own chat template renders no tools
-            "/v1/chat/completions",
-            {
-                "model": MODEL,
-                "messages": [{"role": "user", "content": "hi"}],
-                "tools": [{"type": "function", "function": {"name": "f"}}],
-            },
-            400,
-        ),
         ("/v1/completions", {"model": MODEL, "prompt": ""}, 400),
         ("/v1/completions", {"model": MODEL, "prompt": "word " * 9000}, 400),
         ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400),
@@ -184,7 +167,7 @@ def test_bad_requests_get_openai_errors(base_url, path, body, status):
 
 
 def test_dropped_http_stream_frees_blocks(base_url):
-    llm = serve.get_deployment_handle("LLMServer", app_name="http-test")
+    llm = serve.get_deployment_handle("LLMServer", app_name=AGENT_APP)
     total = llm.stats.remote().result().num_total_blocks
     body = {
         "model": MODEL,
@@ -211,7 +194,7 @@ def test_dropped_http_stream_frees_blocks(base_url):
 
 
 def test_replicas_report_to_the_coordinator(base_url):
-    coordinator = get_coordinator(coordinator_address("http-test"))
+    coordinator = get_coordinator(coordinator_address(AGENT_APP))
     snapshot = {}
     for _ in range(50):
         snapshot = ray.get(coordinator.snapshot.remote())
@@ -258,7 +241,7 @@ def test_tokenize_detokenize_and_model_card_as_vllm_shapes_them(base_url, llm_fp
     card = httpx.get(f"{base_url}/v1/models").json()["data"][0]
     assert card["root"] and card["parent"] is None
     # The replica's own window, clipped to its 0.25 GB KV cache, not the model's 8192.
-    snapshot = ray.get(get_coordinator(coordinator_address("http-test")).snapshot.remote())
+    snapshot = ray.get(get_coordinator(coordinator_address(AGENT_APP)).snapshot.remote())
     assert card["max_model_len"] == min(report.max_model_len for report in snapshot.values()) < 8192
 
     text = "The capital of France is"
@@ -296,7 +279,7 @@ def test_responses_name_the_replica_that_served_them(base_url):
 
     from router.coordinator import coordinator_address
 
-    namespace, name = coordinator_address("http-test")
+    namespace, name = coordinator_address(AGENT_APP)
     (replica_id,) = ray.get(ray.get_actor(name, namespace=namespace).snapshot.remote())
     body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
     response = httpx.post(f"{base_url}/v1/completions", json=body)

@@ -3,6 +3,7 @@ in this process, rank 1 in a Ray actor of the engine's placement group; greedy o
 must equal HF generate token for token in fp32."""
 
 import asyncio
+import gc
 import time
 
 import openai
@@ -69,6 +70,15 @@ def test_head_splits_of_real_shapes():
     assert [s.kv_start for s in split_heads(64, 8, 16)][:4] == [0, 0, 1, 1]
     with pytest.raises(ShardingError, match="9 attention heads with 3 KV heads"):
         split_heads(9, 3, 4)
+
+
+@pytest.fixture(autouse=True)
+def workers_go_with_their_test():
+    """Each test's engine, and with it its rank-1 worker actor (a process holding its own
+    half of the model), goes when the test ends, not at the next collection: engines sit
+    in reference cycles."""
+    yield
+    gc.collect()
 
 
 @pytest.fixture(scope="module")
@@ -200,6 +210,7 @@ def test_a_tp2_replica_serves_and_is_replaced_when_a_worker_dies(ray_cluster, mo
                 "model": str(model_path),
                 "served_model_name": "tp",
                 "engine_args": {"dtype": "float32", "tensor_parallel_size": 2, "kv_cache_memory_gb": 0.1},
+                "health_check_period_s": 1,  # three failed checks replace it: 3 s, not 30
             }
         ),
         name=app,
