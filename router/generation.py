@@ -82,9 +82,16 @@ class Generation:
             except StopAsyncIteration:
                 return
             except Exception as e:
+                if self._lost_after_its_last_chunk(e):
+                    return
                 if not self._may_migrate(e):
                     raise as_api_error(e) from e
                 chunk = await self._migrate(e)
+
+    def _lost_after_its_last_chunk(self, e: Exception) -> bool:
+        """A replica that dies between sending a stream's last chunk and closing the
+        stream has lost nothing: the client has its whole answer."""
+        return isinstance(e, RayActorError) and self.request.sampling.n == 1 and self.finished
 
     def _may_migrate(self, e: Exception) -> bool:
         lost = isinstance(e, RayActorError) or isinstance(getattr(e, "cause", None), EngineStepError)

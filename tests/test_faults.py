@@ -1,8 +1,10 @@
 """Faults and overload on a real local Serve app: replicas killed mid-stream and with
 requests queued, and a replica whose waiting queue is full."""
 
+import asyncio
 import concurrent.futures
 import json
+import os
 import time
 
 import grpc
@@ -13,8 +15,11 @@ from conftest import SERVE_GRPC_PORT, SERVE_HTTP_PORT, replica_actor, undeploy, 
 from ray import serve
 
 from deployments.app import build_app
-from replica.wire import ReplicaReport
+from replica.sampling_params import SamplingParams
+from replica.wire import GenerateRequest, ReplicaReport, StreamChunk
 from router.coordinator import coordinator_address
+from router.generation import start_generation
+from router.metrics import ServingMetrics
 from router.protos import kvserve_pb2 as pb
 from router.protos import kvserve_pb2_grpc as pb_grpc
 
@@ -44,6 +49,34 @@ def test_a_replica_killed_mid_stream_ends_the_sse_stream_with_an_error_event(ray
         assert error["code"] == 503 and "replica unavailable" in error["message"]
     finally:
         undeploy(APP)
+
+
+@serve.deployment(max_ongoing_requests=1)
+class DiesAfterItsLastChunk:
+    """A replica that streams a whole answer and dies before it closes the stream."""
+
+    async def generate(self, request: GenerateRequest):
+        yield StreamChunk("r", "dying", 0, " the end", [7], None, "length", 1, 1, 0)
+        await asyncio.sleep(0.5)  # the chunk reaches the router before the actor is gone
+        os._exit(1)
+
+
+def test_a_replica_that_dies_after_the_last_chunk_of_a_stream_loses_nothing(ray_cluster):
+    """The chaos run found it: such a death surfaced as ActorDiedError after the answer
+    was whole, and the client got a 503 for it."""
+    app = "fault-last-chunk"
+    handle = serve.run(DiesAfterItsLastChunk.bind(), name=app, route_prefix=None)
+    try:
+
+        async def answer() -> list[StreamChunk]:
+            request = GenerateRequest(prompt=[1], sampling=SamplingParams(max_tokens=1))
+            generation = await start_generation(handle, ServingMetrics(MODEL), request)
+            return [chunk async for chunk in generation.chunks()]
+
+        chunks = asyncio.run(answer())
+        assert [(c.text, c.finish_reason) for c in chunks] == [(" the end", "length")]
+    finally:
+        undeploy(app)
 
 
 def coordinator_snapshot(app: str) -> dict[str, ReplicaReport]:
@@ -145,8 +178,9 @@ def test_a_full_waiting_queue_answers_429_and_resource_exhausted(ray_cluster, mo
     serve.run(build_app(config), name=app, route_prefix=f"/{app}")
     try:
         url = f"http://127.0.0.1:{SERVE_HTTP_PORT}/{app}/v1/completions"
-        # Long enough that the queue is still full for both refusals on a busy machine.
-        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 256, "ignore_eos": True}
+        # Long enough that the queue is still full for both refusals on a busy machine
+        # (each refusal is one round trip; the running request takes seconds).
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 128, "ignore_eos": True}
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             futures = [pool.submit(stream_completion, url, body) for _ in range(2)]
 
