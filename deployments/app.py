@@ -2,6 +2,7 @@
 
 import json
 import os
+import warnings
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -27,6 +28,8 @@ from router.generation import DEFAULT_MAX_MIGRATIONS
 from router.http import OpenAIIngress
 from router.kv_router import KVAwareRouter
 from router.lora_adapters import LoRASettings
+
+SERVE_METRICS_INTERVAL_S = AutoscalingConfig.model_fields["metrics_interval_s"].default  # 10 s
 
 # For Serve's gRPC proxy (`grpc_options.grpc_servicer_functions`).
 GRPC_SERVICER = "router.protos.kvserve_pb2_grpc.add_LLMServicer_to_server"
@@ -309,12 +312,20 @@ def autoscaling_config(settings: Autoscaling) -> AutoscalingConfig:
             "max_waiting_per_replica": settings.max_waiting_per_replica,
         },
     )
-    return AutoscalingConfig(
-        min_replicas=settings.min_replicas,
-        initial_replicas=max(settings.min_replicas, 1),
-        max_replicas=settings.max_replicas,
-        upscale_delay_s=settings.upscale_delay_s,
-        downscale_delay_s=settings.downscale_delay_s,
-        look_back_period_s=settings.look_back_period_s,
-        policy=policy,
-    )
+    with warnings.catch_warnings():
+        # Serve marks the field for replacement by environment variables; until then it
+        # is what sets how often replicas send the policy their KV figures.
+        warnings.filterwarnings("ignore", "The `metrics_interval_s` field", DeprecationWarning)
+        return AutoscalingConfig(
+            min_replicas=settings.min_replicas,
+            initial_replicas=max(settings.min_replicas, 1),
+            max_replicas=settings.max_replicas,
+            upscale_delay_s=settings.upscale_delay_s,
+            downscale_delay_s=settings.downscale_delay_s,
+            # Replicas send their figures twice per look-back period (Serve's default is
+            # every 10 s whatever the period), so the policy sees pressure within half
+            # a period rather than up to 10 s later.
+            metrics_interval_s=min(SERVE_METRICS_INTERVAL_S, settings.look_back_period_s / 2),
+            look_back_period_s=settings.look_back_period_s,
+            policy=policy,
+        )
