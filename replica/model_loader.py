@@ -7,6 +7,8 @@ into the standard HF cache, once per node, honouring HF_TOKEN, HF_HOME, HF_HUB_C
 and HF_HUB_OFFLINE.
 """
 
+import contextlib
+import fcntl
 import hashlib
 import importlib.util
 import os
@@ -46,6 +48,17 @@ def is_hub_id(model: str | os.PathLike | None) -> bool:
 
 def cache_root() -> Path:
     return Path(os.environ.get("KVSERVE_CACHE", Path.home() / ".cache" / "kvserve"))
+
+
+@contextlib.contextmanager
+def cache_lock(entry: Path):
+    """Held while one process builds a cache entry (a converted model, the compiled
+    kernels): others that need it at the same moment, such as the replicas of one node
+    starting together, wait and then find it built instead of each building it."""
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    with open(entry.with_name(entry.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def bundled_gguf_path() -> Path:
@@ -139,20 +152,20 @@ def convert_gguf(gguf: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        _save_dequantized(model, tmp)
-        tokenizer.save_pretrained(tmp)
+    with cache_lock(target):
+        if (target / "config.json").is_file():  # converted while this process waited
+            return target
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
         try:
-            tmp.rename(target)  # atomic: concurrent converters race, one wins
-        except OSError:
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(
+                gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+            )
+            _save_dequantized(model, tmp)
+            tokenizer.save_pretrained(tmp)
+            tmp.rename(target)  # atomic: a reader never sees half a directory
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 

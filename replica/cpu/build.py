@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from replica.cpu.abi import SIZE_FUNCTIONS, DecoderLayer, DecoderShape, StepLayout
-from replica.model_loader import cache_root
+from replica.model_loader import cache_lock, cache_root
 
 SOURCES = [
     Path(__file__).with_name(name)
@@ -95,24 +95,29 @@ def load_library() -> ctypes.CDLL:
     cc = compiler()
     target = cache_root() / "kernels" / f"kvserve_cpu_{key}.so"
     if not target.is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
-        os.close(fd)
-        try:
-            result = compile_kernels(cc, SOURCES, tmp)
-            if result.returncode != 0:
-                names = ", ".join(s.name for s in SOURCES)
-                raise CpuKernelsUnavailable(f"{cc} failed to build {names}:\n{result.stderr[-2000:]}")
-            os.replace(tmp, target)  # atomic: concurrent builders race, one wins
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        with cache_lock(target):
+            if not target.is_file():  # built while this process waited
+                _build(cc, target)
     # torch first, so libgomp resolves to the copy torch loaded.
     import torch  # noqa: F401
 
     lib = ctypes.CDLL(str(target))
     _declare(lib)
     return lib
+
+
+def _build(cc: str, target: Path) -> None:
+    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
+    os.close(fd)
+    try:
+        result = compile_kernels(cc, SOURCES, tmp)
+        if result.returncode != 0:
+            names = ", ".join(s.name for s in SOURCES)
+            raise CpuKernelsUnavailable(f"{cc} failed to build {names}:\n{result.stderr[-2000:]}")
+        os.replace(tmp, target)  # atomic: a loader never sees half a file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 _p, _i64, _i32, _f32, _size = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_size_t
