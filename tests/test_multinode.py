@@ -140,7 +140,7 @@ def test_replicas_land_on_gpu_workers_scale_up_under_kv_pressure_and_back_down(f
                 "max_replicas": 2,
                 "target_kv_usage": 0.5,
                 "upscale_delay_s": 1,
-                "downscale_delay_s": 4,
+                "downscale_delay_s": 2,
                 "look_back_period_s": 2,
             },
         }

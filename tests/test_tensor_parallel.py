@@ -93,7 +93,11 @@ def _greedy(llm: LLM, prompts) -> list[list[int]]:
     return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def test_tp2_matches_hf_with_chunked_prefill_preemption_and_prefix_hits(ray_cluster, model_path, expected):
+def test_tp2_matches_hf_with_chunked_prefill_preemption_and_prefix_hits_then_fails_without_its_worker(
+    ray_cluster, model_path, expected
+):
+    """Then, on the same engine, a dead worker fails the next step and the health check
+    (one worker start fewer than a test of its own)."""
     prompts, want = expected
     # 10 blocks of 16 tokens hold the longest request alone but not all at once; 16
     # tokens a step chunk every prompt but the shortest.
@@ -117,6 +121,17 @@ def test_tp2_matches_hf_with_chunked_prefill_preemption_and_prefix_hits(ray_clus
     (again,) = llm.generate([prompts[-1]], SamplingParams(max_tokens=MAX_NEW, temperature=0), use_tqdm=False)
     assert again.num_cached_tokens >= 32
     assert again.token_ids == want[-1]
+
+    engine = llm.engine
+    engine.add_request("Once upon a time", SamplingParams(max_tokens=200, temperature=0))
+    for _ in range(3):
+        engine.step()
+    ray.kill(engine.runner.workers.actors[0])
+    with pytest.raises(Exception, match="Connection closed by peer|worker"):
+        for _ in range(50):  # gloo notices the closed connection in the next collective
+            engine.step()
+    with pytest.raises(workers.WorkerError, match="gone or stuck"):
+        asyncio.run(engine.runner.workers.check_alive(timeout_s=10))
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
@@ -165,20 +180,6 @@ def test_tp2_random_model_with_replicated_kv_head_biases_and_odd_sizes(ray_clust
     assert llm.engine.runner.rank0.num_kv_heads == 1
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
-
-
-def test_a_dead_worker_fails_the_step_and_the_health_check(ray_cluster, model_path):
-    llm = LLM(str(model_path), dtype="float32", tensor_parallel_size=2)
-    engine = llm.engine
-    engine.add_request("Once upon a time", SamplingParams(max_tokens=200, temperature=0))
-    for _ in range(3):
-        engine.step()
-    ray.kill(engine.runner.workers.actors[0])
-    with pytest.raises(Exception, match="Connection closed by peer|worker"):
-        for _ in range(50):  # gloo notices the closed connection in the next collective
-            engine.step()
-    with pytest.raises(workers.WorkerError, match="gone or stuck"):
-        asyncio.run(engine.runner.workers.check_alive(timeout_s=10))
 
 
 def test_sizes_that_cannot_split_are_refused_before_any_worker_starts(ray_cluster, model_path):
