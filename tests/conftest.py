@@ -152,6 +152,10 @@ def release_module_memory():
     heap for the next allocation unless asked to trim it. Without this the pytest
     process grew past 12 GB over the suite."""
     yield
+    release_memory()
+
+
+def release_memory() -> None:
     gc.collect()
     if MALLOC_TRIM is not None:
         MALLOC_TRIM(0)

@@ -3,7 +3,6 @@ in this process, rank 1 in a Ray actor of the engine's placement group; greedy o
 must equal HF generate token for token in fp32."""
 
 import asyncio
-import gc
 import time
 
 import openai
@@ -11,7 +10,7 @@ import psutil
 import pytest
 import ray
 import torch
-from conftest import SERVE_HTTP_PORT, hf_greedy, undeploy
+from conftest import SERVE_HTTP_PORT, hf_greedy, release_memory, undeploy
 from hypothesis import given
 from hypothesis import strategies as st
 from ray import serve
@@ -76,9 +75,10 @@ def test_head_splits_of_real_shapes():
 def workers_go_with_their_test():
     """Each test's engine, and with it its rank-1 worker actor (a process holding its own
     half of the model), goes when the test ends, not at the next collection: engines sit
-    in reference cycles."""
+    in reference cycles; and its heap goes back to the machine, before the next test
+    starts workers and apps of its own."""
     yield
-    gc.collect()
+    release_memory()
 
 
 @pytest.fixture(scope="module")
