@@ -46,8 +46,7 @@ class GrammarCompiler:
 
         The matchers write one bit per token into 32-bit words, unpacked here with plain
         torch ops: llguidance.torch's own helper is a torch.compile'd function, whose
-        import (torch._dynamo) added about 2 s to every engine's start and whose first
-        call compiled for seconds more."""
+        import (torch._dynamo) slows every engine's start and whose first call compiles."""
         words = -(-self.tokenizer.vocab_size // 32)
         bitmask = torch.zeros(len(rows), words, dtype=torch.int32)
         for i, matcher in enumerate(matchers):

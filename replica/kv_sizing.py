@@ -54,8 +54,8 @@ class KVCacheLayout:
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A CPU tensor of zeros on anonymous memory of its own: the kernel maps each page when
     it is first written and unmaps all of them when the tensor goes. torch.zeros writes
-    every page at once, so a 1 GB cache of which a few blocks are used held 1 GB resident,
-    and its freed pages stayed with the allocator rather than the machine."""
+    every page at once, so a cache of which a few blocks are used would be resident in
+    full, and its freed pages would stay with the allocator rather than the machine."""
     count = math.prod(shape)
     nbytes = count * torch.empty((), dtype=dtype).element_size()
     return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=dtype, count=count).view(shape)

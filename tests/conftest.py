@@ -10,8 +10,8 @@ import tempfile  # noqa: E402
 os.environ.setdefault("KVSERVE_KERNEL_CACHE", tempfile.mkdtemp(prefix="kvserve-kernels-"))
 
 # Serve checks its HTTP proxy this often (Ray's default 10 s) and replaces it after three
-# failures in a row: tests/test_chaos.py kills the proxy, which is back in about 10 s
-# instead of 35. Read by the Serve controller, which inherits the driver's environment.
+# failures in a row: tests/test_chaos.py kills the proxy, which then comes back within
+# seconds rather than half a minute. Read by the Serve controller, which inherits the driver's environment.
 os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S", "2")
 
 import contextlib  # noqa: E402
@@ -56,12 +56,11 @@ if not torch.cuda.is_available():
 
 
 def _build_caches_in_the_background() -> None:
-    """Collecting the tests keeps one core busy for about 20 s on a 2-core machine. On a
-    fresh one the other core meanwhile compiles the CPU kernels (about 22 s of gcc) and
-    converts the bundled GGUF (about 20 s), which the first tests would otherwise wait
-    for one after the other. replica's cache locks make whatever needs either before it
-    is done wait for it instead of building it again; on a machine that has both, this
-    finds them and ends."""
+    """Collecting the tests keeps one core busy on a 2-core machine. On a fresh one the
+    other core meanwhile compiles the CPU kernels and converts the bundled GGUF, which
+    the first tests would otherwise wait for one after the other (tests/README.md).
+    replica's cache locks make whatever needs either before it is done wait for it
+    instead of building it again; on a machine that has both, this finds them and ends."""
     from replica.cpu import build
 
     def compile_kernels() -> None:
@@ -150,7 +149,7 @@ def release_module_memory():
     """After each module, what its fixtures and tests held goes back to the machine:
     engines sit in reference cycles that only a collection frees, and glibc keeps freed
     heap for the next allocation unless asked to trim it. Without this the pytest
-    process grew past 12 GB over the suite."""
+    process grows with every module's engines (tests/README.md, Memory)."""
     yield
     release_memory()
 
@@ -193,7 +192,7 @@ AGENT_APP = "agent-apis"
 
 # The test modules that use agent_app: they run first (pytest_collection_modifyitems),
 # and the app is deleted when the last of them ends (pytest_runtest_teardown), so its
-# replica's and ingress's 4 GB are not held through the rest of the session.
+# replica and ingress do not hold their memory through the rest of the session.
 AGENT_APP_MODULES: set = set()
 
 
