@@ -47,6 +47,6 @@ device-wheels: setup
 device-rehearsal: device-wheels
 	bash scripts/device_check.sh --rehearse
 
-# Regenerate the gRPC modules from router/protos/kvserve.proto (tests fail when they are stale).
+# Regenerate the gRPC modules from router/api/protos/kvserve.proto (tests fail when they are stale).
 protos: setup
-	$(VENV)/bin/python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. router/protos/kvserve.proto
+	$(VENV)/bin/python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. router/api/protos/kvserve.proto

@@ -38,8 +38,8 @@ from ray import serve  # noqa: E402
 
 from bench.machine import machine  # noqa: E402
 from deployments.app import build_app  # noqa: E402
-from replica.wire import ReplicaReport  # noqa: E402
-from router.coordinator import coordinator_address  # noqa: E402
+from router.placement.coordinator import coordinator_address  # noqa: E402
+from wire.messages import ReplicaReport  # noqa: E402
 
 MODEL = "chaos-model"
 PROMPTS = [f"Request {i}: tell me about the sea and the ships on it." for i in range(32)]

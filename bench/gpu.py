@@ -66,7 +66,7 @@ from bench.gpu_runs import (  # noqa: E402
 )
 from bench.machine import machine as host_machine  # noqa: E402
 from bench.offline import make_workload, warm_up_workload  # noqa: E402
-from replica import LLM  # noqa: E402
+from kvserve import LLM  # noqa: E402
 from replica.model_loader import bundled_tokenizer_path  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"

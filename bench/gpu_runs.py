@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig
 
-from replica import LLM, SamplingParams
+from kvserve import LLM, SamplingParams
 
 
 @dataclass

@@ -25,7 +25,7 @@ from transformers import AutoConfig  # noqa: E402
 
 from bench.machine import write_result  # noqa: E402
 from bench.offline import engine_record  # noqa: E402
-from replica import LLM, SamplingParams  # noqa: E402
+from kvserve import LLM, SamplingParams  # noqa: E402
 from replica.model_loader import resolve_model  # noqa: E402
 
 

@@ -26,11 +26,11 @@ from bench.gpu import LLAMA_1B, build_model  # noqa: E402
 from bench.gpu import machine as gpu_machine  # noqa: E402
 from bench.machine import machine as cpu_machine  # noqa: E402
 from bench.offline import make_workload, run_kvserve  # noqa: E402
-from replica import LLM  # noqa: E402
+from kvserve import LLM  # noqa: E402
 from replica.lora.adapter_files import projection_shapes  # noqa: E402
 from replica.lora.kernels import lora_delta_torch  # noqa: E402
-from replica.lora.request import LoRARequest  # noqa: E402
 from replica.model_loader import resolve_model  # noqa: E402
+from wire.lora_request import LoRARequest  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

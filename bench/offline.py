@@ -51,7 +51,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig  # noqa: E402
 
 from bench.machine import machine  # noqa: E402
 from bench.peers import VllmPeer  # noqa: E402
-from replica import LLM, SamplingParams  # noqa: E402
+from kvserve import LLM, SamplingParams  # noqa: E402
 from replica.cpu import linear_kernels  # noqa: E402
 from replica.model_loader import resolve_model  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Prefix hit rate at GPU-like scale, with the router's real scoring and the replicas'
 real KV bookkeeping (no model): 4 replicas x 20,000 blocks of 16 tokens, each a
-kvcache.KVCacheManager, behind router.kv_router's `placement`.
+kvcache.KVCacheManager, behind router.placement.kv_router's `placement`.
 
 A seeded stream of requests, each a shared system prompt (one of several, in random
 order) plus a unique suffix and answer, is routed one by one: every `report_every`
@@ -50,9 +50,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.machine import machine  # noqa: E402
 from kvcache import KVCacheManager  # noqa: E402
-from replica.wire import ReplicaReport  # noqa: E402
-from router import kv_router  # noqa: E402
-from router.kv_router import ReplicaView, RoutedRequest, blocks_needed, placement  # noqa: E402
+from router.placement import kv_router  # noqa: E402
+from router.placement.kv_router import ReplicaView, RoutedRequest, blocks_needed, placement  # noqa: E402
+from wire.messages import ReplicaReport  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 VOCAB = 50_000
@@ -72,7 +72,7 @@ class Scenario:
     output_tokens: int = 128
     live: int = 256  # requests in flight over all replicas
     report_every: int = 32  # requests routed between two reports
-    reported: int = 4096  # replica/deployment.py's CACHED_HASHES_REPORTED
+    reported: int = 4096  # replica/server/deployment.py's CACHED_HASHES_REPORTED
     max_model_len: int = 32_768
     seed: int = 0
     bar: bool = False  # whether BAR applies (issue 14's case: shared system prompts at 20k blocks)
@@ -153,7 +153,7 @@ def behaviour(old: bool) -> Iterator[None]:
 
 
 def report(kv: KVCacheManager, s: Scenario) -> ReplicaReport:
-    """An idle replica's report (replica/deployment.py's `_build_report`) over `kv`.
+    """An idle replica's report (replica/server/deployment.py's `_build_report`) over `kv`.
     Requests get all their blocks at once here, so none are pending."""
     stats = kv.stats()
     return ReplicaReport(

@@ -33,7 +33,7 @@ import replica.engine  # noqa: E402
 import replica.model_runner  # noqa: E402
 from bench.machine import machine  # noqa: E402
 from bench.offline import make_mixed_workload, run_kvserve  # noqa: E402
-from replica import LLM  # noqa: E402
+from kvserve import LLM  # noqa: E402
 from replica.cpu import layers, ops  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"

@@ -27,7 +27,7 @@ import torch  # noqa: E402
 
 from bench.machine import write_result  # noqa: E402
 from bench.offline import engine_record  # noqa: E402
-from replica import LLM, SamplingParams  # noqa: E402
+from kvserve import LLM, SamplingParams  # noqa: E402
 
 TEXT = Path("/usr/share/common-licenses/GPL-3")
 # Each prompt's greedy answer must contain its word.

@@ -36,7 +36,7 @@ from bench.gpu import LLAMA_1B, TINY, build_model, machine, slug, versions  # no
 from bench.gpu_report import Budget, Report, budget_spent, failed, say, skipped  # noqa: E402
 from bench.gpu_runs import batch1_step, free_memory, run_kvserve, sync  # noqa: E402
 from bench.offline import make_workload, warm_up_workload  # noqa: E402
-from replica import LLM  # noqa: E402
+from kvserve import LLM  # noqa: E402
 from replica.quantized_linear import FP8, QuantizedLinear, fp8_supported, quantize_rows  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"

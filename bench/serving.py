@@ -43,7 +43,7 @@ from ray import serve  # noqa: E402
 
 from bench.machine import machine  # noqa: E402
 from deployments.app import build_app  # noqa: E402
-from router.coordinator import coordinator_address  # noqa: E402
+from router.placement.coordinator import coordinator_address  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 PORT = 18555

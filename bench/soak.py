@@ -35,10 +35,10 @@ from ray import serve  # noqa: E402
 
 from bench.machine import machine  # noqa: E402
 from deployments.app import GRPC_SERVICER, build_app  # noqa: E402
-from replica.wire import ReplicaReport  # noqa: E402
-from router.coordinator import coordinator_address  # noqa: E402
-from router.protos import kvserve_pb2 as pb  # noqa: E402
-from router.protos import kvserve_pb2_grpc as pb_grpc  # noqa: E402
+from router.api.protos import kvserve_pb2 as pb  # noqa: E402
+from router.api.protos import kvserve_pb2_grpc as pb_grpc  # noqa: E402
+from router.placement.coordinator import coordinator_address  # noqa: E402
+from wire.messages import ReplicaReport  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 HTTP_PORT, GRPC_PORT = 18655, 18656

@@ -27,7 +27,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from bench.machine import machine  # noqa: E402
-from replica import LLM, SamplingParams  # noqa: E402
+from kvserve import LLM, SamplingParams  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "tensor_parallel_cpu.json"
 

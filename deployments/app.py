@@ -17,22 +17,22 @@ from ray.serve.config import (
 from deployments.autoscaling import KVPressurePolicy
 from replica.chat_template import default_chat_template, load_chat_template
 from replica.config import EngineConfig
-from replica.deployment import LLMServer
 from replica.lora.adapter_files import LoRAAdapterError, read_adapter
 from replica.model_loader import BUNDLED_NAME, is_hub_id, resolve_model
 from replica.parallel.workers import replica_bundles
+from replica.server.deployment import LLMServer
 from replica.versions import running_versions
-from router.body_limit import DEFAULT_MAX_REQUEST_BYTES
-from router.coordinator import coordinator_address
+from router.api.body_limit import DEFAULT_MAX_REQUEST_BYTES
+from router.api.http import OpenAIIngress
 from router.generation import DEFAULT_MAX_MIGRATIONS
-from router.http import OpenAIIngress
-from router.kv_router import KVAwareRouter
 from router.lora_adapters import LoRASettings
+from router.placement.coordinator import coordinator_address
+from router.placement.kv_router import KVAwareRouter
 
 SERVE_METRICS_INTERVAL_S = AutoscalingConfig.model_fields["metrics_interval_s"].default  # 10 s
 
 # For Serve's gRPC proxy (`grpc_options.grpc_servicer_functions`).
-GRPC_SERVICER = "router.protos.kvserve_pb2_grpc.add_LLMServicer_to_server"
+GRPC_SERVICER = "router.api.protos.kvserve_pb2_grpc.add_LLMServicer_to_server"
 
 
 class Autoscaling(BaseModel):
@@ -55,7 +55,7 @@ def _tensor_parallel_size(engine_args: dict) -> int:
 
 class ReplicaGroup(BaseModel):
     """Replicas of another shape beside the app's own, for the same model: say
-    tensor-parallel ones on bigger nodes (router/replica_groups.py). A fixed count."""
+    tensor-parallel ones on bigger nodes (router/placement/replica_groups.py). A fixed count."""
 
     model_config = ConfigDict(extra="forbid")
 

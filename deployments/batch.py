@@ -32,9 +32,9 @@ from tqdm import tqdm
 from replica.chat_template import chat_prompt_ids
 from replica.config import EngineConfig
 from replica.engine import Engine
-from replica.lora.request import LoRARequest
 from replica.model_loader import BUNDLED_NAME, is_hub_id
-from replica.sampling_params import SamplingParams
+from wire.lora_request import LoRARequest
+from wire.sampling_params import SamplingParams
 
 SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 OUTPUT_SCHEMA = pa.schema(

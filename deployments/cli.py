@@ -290,7 +290,7 @@ def _batch(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from replica import LLM, SamplingParams
+    from kvserve import LLM, SamplingParams
     from replica.model_loader import ModelNotFoundError
     from replica.parallel.workers import WorkerError
 

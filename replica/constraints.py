@@ -12,7 +12,7 @@ import llguidance
 import llguidance.hf
 import torch
 
-from replica.sampling_params import StructuredOutputs
+from wire.sampling_params import StructuredOutputs
 
 COMPILED_GRAMMARS_KEPT = 256
 BIT_POSITIONS = torch.arange(32, dtype=torch.int32)

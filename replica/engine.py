@@ -16,25 +16,25 @@ from replica.cpu.affinity import CorePlan
 from replica.detokenizer import IncrementalDetokenizer
 from replica.lora.adapter_files import LoRAAdapterError, read_adapter
 from replica.lora.cache import AdapterCache
-from replica.lora.request import LoRARequest
 from replica.lora.weights import AdapterWeights, load_adapter_weights
 from replica.model_loader import resolve_model
 from replica.model_runner import ModelRunner
-from replica.outputs import RequestDelta, TokenLogprob
 from replica.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs, plan_prompt_rows
 from replica.request import PENDING, FinishReason, Request
 from replica.sample_group import SampleGroup
 from replica.sampler import SamplerOutput, sample, torch_argmax
-from replica.sampling_params import SamplingParams
 from replica.sampling_state import SamplingState
 from replica.scheduler import ScheduledRequest, Scheduler
 from replica.spec_decode.speculator import Speculator, proposal_rows
-from replica.spec_decode.stats import SpecDecodeStats
 from replica.spec_decode.verify import Verified
+from wire.lora_request import LoRARequest
 
 # The errors cross to the ingress (wire.py); EngineStepError is imported for the callers
 # that know it as replica.engine.EngineStepError.
-from replica.wire import EngineStepError, QueueFullError  # noqa: F401
+from wire.messages import EngineStepError, QueueFullError  # noqa: F401
+from wire.outputs import RequestDelta, TokenLogprob
+from wire.sampling_params import SamplingParams
+from wire.spec_decode_stats import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 
@@ -558,7 +558,7 @@ class Engine:
             del request.token_ids[len(request.token_ids) - request.num_pending :]
             request.num_pending = 0
 
-    # What a serving replica (replica/deployment.py) asks of the engine's runner and KV
+    # What a serving replica (replica/server/deployment.py) asks of the engine's runner and KV
     # cache, so that it depends on the engine alone.
 
     @property

@@ -7,9 +7,9 @@ from tqdm.auto import tqdm
 from replica.chat_template import Message, chat_prompt_ids, default_chat_template, load_chat_template
 from replica.config import EngineConfig
 from replica.engine import Engine
-from replica.lora.request import LoRARequest
-from replica.outputs import RequestOutput, merge_samples
-from replica.sampling_params import SamplingParams
+from wire.lora_request import LoRARequest
+from wire.outputs import RequestOutput, merge_samples
+from wire.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 

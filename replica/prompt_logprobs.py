@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from replica.outputs import TokenLogprob
 from replica.request import Request
+from wire.outputs import TokenLogprob
 
 # Rows per fp32 log-softmax: bounds the step's extra memory to SLICE_ROWS x vocab floats.
 SLICE_ROWS = 512

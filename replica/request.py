@@ -16,10 +16,10 @@ import torch
 
 from kvcache.hashing import ROOT_HASH
 from replica.detokenizer import IncrementalDetokenizer
-from replica.lora.request import LoRARequest
-from replica.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from replica.sampling_params import SamplingParams
 from replica.spec_decode.acceptance import SpeculationState
+from wire.lora_request import LoRARequest
+from wire.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from wire.sampling_params import SamplingParams
 
 PENDING = -1  # token_ids placeholder for a sampled token still on the device
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from replica.outputs import TokenLogprob
+from wire.outputs import TokenLogprob
 
 
 @dataclass

@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 
 from kvcache import KVCacheManager
 from kvcache.kv_manager import CachedPrefix, cdiv
-from replica.lora.request import LoRARequest
 from replica.lora.slots import LoRASlots
 from replica.request import FinishReason, Request, RequestStatus
 from replica.request_queue import FCFSQueue, PriorityQueue
+from wire.lora_request import LoRARequest
 
 NO_PREFIX = CachedPrefix([], 0)
 

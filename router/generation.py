@@ -21,8 +21,8 @@ from ray.serve import context as serve_context
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from replica.wire import EngineStepError, GenerateRequest, QueueFullError, StreamChunk
 from router.metrics import RequestTimer, ServingMetrics
+from wire.messages import EngineStepError, GenerateRequest, QueueFullError, StreamChunk
 
 logger = logging.getLogger("ray.serve")
 

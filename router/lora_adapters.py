@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from ray.exceptions import RayActorError
 
 from replica.lora.adapter_files import LoRAAdapterError, read_adapter
-from replica.lora.request import LoRARequest
-from router.coordinator import LoRANameTaken, LoRARegistry, get_coordinator
 from router.generation import APIError
+from router.placement.coordinator import LoRANameTaken, LoRARegistry, get_coordinator
+from wire.lora_request import LoRARequest
 
 
 @dataclass

@@ -22,7 +22,7 @@ from itertools import zip_longest
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from replica.wire import ReplicaReport, StreamChunk
+from wire.messages import ReplicaReport, StreamChunk
 
 # Prometheus counter -> (its count in a replica's report, help text).
 REPLICA_COUNTERS: dict[str, tuple[Callable[[ReplicaReport], int], str]] = {

@@ -165,7 +165,7 @@ import sys
 import bench.gpu  # noqa: F401
 import bench.quantized_gemm  # noqa: F401
 import replica.attention.triton_backend  # noqa: F401
-from replica import LLM  # noqa: F401
+from kvserve import LLM  # noqa: F401
 
 assert "ray" not in sys.modules, "the engine, LLM or bench/gpu.py imported Ray"
 print("the engine, LLM, the attention backends and bench/gpu.py import without Ray")

@@ -139,7 +139,7 @@ def hf_model(model_path):
 @pytest.fixture(scope="session")
 def llm_fp32(model_path):
     """A default-configured fp32 engine shared by tests that only submit requests."""
-    from replica import LLM
+    from kvserve import LLM
 
     return LLM(str(model_path), dtype="float32")
 
@@ -305,7 +305,7 @@ def undeploy(app: str) -> None:
     import ray
     from ray import serve
 
-    from router.coordinator import coordinator_address, get_coordinator
+    from router.placement.coordinator import coordinator_address, get_coordinator
 
     serve.delete(app, _blocking=False)
     ray.kill(get_coordinator(coordinator_address(app)))
@@ -316,7 +316,7 @@ def replica_actor(app: str):
     SERVE_REPLICA::<app>#<deployment>#<id>; the coordinator knows the id."""
     import ray
 
-    from router.coordinator import coordinator_address
+    from router.placement.coordinator import coordinator_address
 
     namespace, name = coordinator_address(app)
     (replica_id,) = ray.get(ray.get_actor(name, namespace=namespace).snapshot.remote())

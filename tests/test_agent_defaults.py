@@ -13,8 +13,8 @@ from transformers import AutoTokenizer
 
 from replica.chat_template import BUNDLED_CHAT_TEMPLATE, chat_prompt_ids, load_chat_template
 from replica.model_loader import bundled_tokenizer_path
-from router.protos import kvserve_pb2 as pb
-from router.protos import kvserve_pb2_grpc as pb_grpc
+from router.api.protos import kvserve_pb2 as pb
+from router.api.protos import kvserve_pb2_grpc as pb_grpc
 
 MODEL = "SmolLM2-135M-Instruct"
 ADD = {

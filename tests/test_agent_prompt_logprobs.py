@@ -8,9 +8,9 @@ import pytest
 import torch
 from conftest import AGENT_APP, SERVE_GRPC_PORT
 
-from replica import LLM, SamplingParams
-from router.protos import kvserve_pb2 as pb
-from router.protos import kvserve_pb2_grpc as pb_grpc
+from kvserve import LLM, SamplingParams
+from router.api.protos import kvserve_pb2 as pb
+from router.api.protos import kvserve_pb2_grpc as pb_grpc
 
 MODEL = "SmolLM2-135M-Instruct"
 TOLERANCE = 1e-4

@@ -7,8 +7,8 @@ import pytest
 from conftest import AGENT_APP
 from ray import serve
 
-from replica.wire import ReplicaReport
-from router.rerank import DEFAULT_RELEVANCE_PROMPT
+from router.api.rerank import DEFAULT_RELEVANCE_PROMPT
+from wire.messages import ReplicaReport
 
 MODEL = "SmolLM2-135M-Instruct"
 # (query, a relevant document, an unrelated one)

@@ -10,7 +10,7 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from router.response_store import ResponseStore
+from router.api.response_store import ResponseStore
 
 MODEL = "SmolLM2-135M-Instruct"
 WEATHER = {

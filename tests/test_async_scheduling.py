@@ -4,7 +4,7 @@ synchronous engine, under preemption, chunked prefill and aborts, and nothing le
 
 import pytest
 
-from replica import LLM, SamplingParams
+from kvserve import LLM, SamplingParams
 
 PROMPTS = [
     "The capital of France is",

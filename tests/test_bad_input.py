@@ -25,8 +25,8 @@ from schemathesis.checks import (
 from schemathesis.generation import GenerationMode
 
 from deployments.app import build_app
-from router.protos import kvserve_pb2 as pb
-from router.protos import kvserve_pb2_grpc as pb_grpc
+from router.api.protos import kvserve_pb2 as pb
+from router.api.protos import kvserve_pb2_grpc as pb_grpc
 
 APP = "input-test"
 MODEL = "SmolLM2-135M-Instruct"

@@ -13,7 +13,7 @@ import pytest
 from conftest import save_lora_adapter
 
 from deployments.batch import run_batch
-from replica import SamplingParams
+from kvserve import SamplingParams
 
 BAD_ROWS = [
     '{"id": "bad-temperature", "prompt": "x", "temperature": -1}',

@@ -1,5 +1,5 @@
 """The boundaries between kvserve's processes, checked on imports: the ingress, the KV
-router and the coordinator talk to replicas through replica/wire.py only, so they load
+router and the coordinator talk to replicas through wire/messages.py only, so they load
 without torch or the engine."""
 
 import json
@@ -7,13 +7,13 @@ import subprocess
 import sys
 
 INGRESS_MODULES = [
-    "router.http",
-    "router.grpc_api",
-    "router.kv_router",
-    "router.replica_groups",
-    "router.coordinator",
+    "router.api.http",
+    "router.api.grpc_api",
+    "router.placement.kv_router",
+    "router.placement.replica_groups",
+    "router.placement.coordinator",
     "deployments.autoscaling",
-    "replica.wire",
+    "wire.messages",
 ]
 
 

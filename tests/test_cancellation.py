@@ -14,8 +14,8 @@ from ray import serve
 from test_metrics import metric_values
 
 from deployments.app import build_app
-from replica.wire import ReplicaReport
-from router.coordinator import coordinator_address
+from router.placement.coordinator import coordinator_address
+from wire.messages import ReplicaReport
 
 APP = "cancel-test"
 MODEL = "SmolLM2-135M-Instruct"

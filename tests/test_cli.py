@@ -14,8 +14,8 @@ from conftest import HUB_ID
 
 from deployments import cli
 from deployments.cli import main
-from router.protos import kvserve_pb2 as pb
-from router.protos import kvserve_pb2_grpc as pb_grpc
+from router.api.protos import kvserve_pb2 as pb
+from router.api.protos import kvserve_pb2_grpc as pb_grpc
 
 
 def _kvserve(*args):

@@ -2,8 +2,8 @@ import time
 
 import ray
 
-from replica.wire import ReplicaReport
-from router.coordinator import Coordinator
+from router.placement.coordinator import Coordinator
+from wire.messages import ReplicaReport
 
 
 def report(num_free_blocks: int, age_s: float) -> ReplicaReport:

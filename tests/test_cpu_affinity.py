@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import hf_greedy
 
-from replica import LLM, SamplingParams
+from kvserve import LLM, SamplingParams
 from replica.cpu.affinity import BURST_MIN_TOKENS, CorePlan, pin_process
 
 USABLE = sorted(os.sched_getaffinity(0))

@@ -6,9 +6,9 @@ import os
 import pytest
 from ray import serve
 
-from replica import SamplingParams
-from replica.deployment import LLMServer
-from replica.wire import GenerateRequest
+from kvserve import SamplingParams
+from replica.server.deployment import LLMServer
+from wire.messages import GenerateRequest
 
 # Pinned as `kvserve serve` pins its one replica: every core but the first.
 ENGINE_ARGS = {"dtype": "float32", "kv_cache_memory_gb": 0.25, "cpu_cores": "auto"}

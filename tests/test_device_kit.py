@@ -173,7 +173,7 @@ def test_engine_offline_api_and_gpu_bench_import_without_ray():
     """The GPU machine has no Ray: the engine, LLM and the GPU benchmarks must not import it."""
     code = (
         "import sys; import bench.gpu, bench.quantized_gemm, replica.attention.triton_backend; "
-        "from replica import LLM; "
+        "from kvserve import LLM; "
         "assert 'ray' not in sys.modules, sorted(m for m in sys.modules if m.startswith('ray'))"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from replica import LLM, SamplingParams
+from kvserve import LLM, SamplingParams
 from replica.model_loader import ModelNotFoundError
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from conftest import hf_greedy
 
-from replica import LLM, SamplingParams
+from kvserve import LLM, SamplingParams
 
 PROMPTS = [
     "Hi",

@@ -1,4 +1,4 @@
-"""The engine's own thread (replica/engine_loop.py) on the real bundled model: calls run
+"""The engine's own thread (replica/server/engine_loop.py) on the real bundled model: calls run
 between steps, outputs arrive through the callback, and a failed step reaches the error
 callback without stopping the loop."""
 
@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from replica import SamplingParams
-from replica.engine_loop import EngineLoop
+from kvserve import SamplingParams
+from replica.server.engine_loop import EngineLoop
 
 PROMPTS = ["The capital of France is", "def add(a, b):", "Three colours:"]
 

@@ -15,13 +15,13 @@ from conftest import SERVE_GRPC_PORT, SERVE_HTTP_PORT, replica_actor, undeploy, 
 from ray import serve
 
 from deployments.app import build_app
-from replica.sampling_params import SamplingParams
-from replica.wire import GenerateRequest, ReplicaReport, StreamChunk
-from router.coordinator import coordinator_address
+from router.api.protos import kvserve_pb2 as pb
+from router.api.protos import kvserve_pb2_grpc as pb_grpc
 from router.generation import start_generation
 from router.metrics import ServingMetrics
-from router.protos import kvserve_pb2 as pb
-from router.protos import kvserve_pb2_grpc as pb_grpc
+from router.placement.coordinator import coordinator_address
+from wire.messages import GenerateRequest, ReplicaReport, StreamChunk
+from wire.sampling_params import SamplingParams
 
 APP = "fault-test"
 MODEL = "SmolLM2-135M-Instruct"

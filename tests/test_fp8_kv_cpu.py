@@ -13,7 +13,7 @@ from test_native_decoder import _assert_same, _both_loops, _gemm_c_runs
 from test_other_models import CONFIGS
 from transformers import AutoModelForCausalLM
 
-from replica import LLM, SamplingParams
+from kvserve import LLM, SamplingParams
 from replica.attention import ForwardContext, build_metadata, forward_context
 from replica.attention.torch_backend import kv_cache_shape, torch_paged_attention, write_kv
 from replica.cpu import build, ops

@@ -23,14 +23,14 @@ from conftest import hf_greedy, save_lora_adapter  # noqa: E402
 from test_attention_reference import dense_reference  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
-from replica import LLM, SamplingParams  # noqa: E402
+from kvserve import LLM, SamplingParams  # noqa: E402
 from replica.attention import ForwardContext, build_metadata, forward_context  # noqa: E402
 from replica.attention import flash_attn_backend as fa  # noqa: E402
 from replica.attention.torch_backend import kv_cache_shape, torch_paged_attention  # noqa: E402
 from replica.config import EngineConfig  # noqa: E402
-from replica.lora.request import LoRARequest  # noqa: E402
 from replica.model_runner import ModelRunner  # noqa: E402
-from replica.sampling_params import StructuredOutputs  # noqa: E402
+from wire.lora_request import LoRARequest  # noqa: E402
+from wire.sampling_params import StructuredOutputs  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -12,9 +12,9 @@ from conftest import AGENT_APP, SERVE_GRPC_PORT, SERVE_HTTP_PORT, replica_actor,
 from ray import serve
 
 from deployments.app import build_app
-from replica.wire import ReplicaReport
-from router.protos import kvserve_pb2 as pb
-from router.protos import kvserve_pb2_grpc as pb_grpc
+from router.api.protos import kvserve_pb2 as pb
+from router.api.protos import kvserve_pb2_grpc as pb_grpc
+from wire.messages import ReplicaReport
 
 APP = AGENT_APP
 MODEL = "SmolLM2-135M-Instruct"

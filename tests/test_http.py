@@ -11,9 +11,9 @@ from conftest import AGENT_APP, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
-from replica import SamplingParams
-from replica.wire import ReplicaReport
-from router.coordinator import coordinator_address, get_coordinator
+from kvserve import SamplingParams
+from router.placement.coordinator import coordinator_address, get_coordinator
+from wire.messages import ReplicaReport
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -277,7 +277,7 @@ def test_tokenize_detokenize_and_model_card_as_vllm_shapes_them(base_url, llm_fp
 def test_responses_name_the_replica_that_served_them(base_url):
     import ray
 
-    from router.coordinator import coordinator_address
+    from router.placement.coordinator import coordinator_address
 
     namespace, name = coordinator_address(AGENT_APP)
     (replica_id,) = ray.get(ray.get_actor(name, namespace=namespace).snapshot.remote())

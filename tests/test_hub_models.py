@@ -9,7 +9,7 @@ import huggingface_hub
 import pytest
 from conftest import HUB_ID, add_hub_repo
 
-from replica import LLM, SamplingParams
+from kvserve import LLM, SamplingParams
 from replica.model_loader import ModelNotFoundError, is_hub_id, resolve_model
 
 

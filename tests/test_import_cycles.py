@@ -8,7 +8,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("kvcache", "replica", "router", "deployments")
+PACKAGES = ("wire", "kvcache", "replica", "router", "deployments", "kvserve")
 
 
 def module_name(path: Path) -> str:

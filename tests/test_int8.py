@@ -13,7 +13,7 @@ from test_native_decoder import _assert_same, _both_loops
 from test_other_models import CONFIGS
 from transformers import AutoModelForCausalLM
 
-from replica import LLM, SamplingParams
+from kvserve import LLM, SamplingParams
 from replica.config import EngineConfig
 from replica.cpu import build, int8, kernel_choice, linear_kernels, ops
 from replica.cpu.kernel_choice import KernelChooser, LinearChoice, LinearShape

@@ -11,7 +11,7 @@ from conftest import hf_greedy
 from test_gpu_path import TINY
 from transformers import AutoModelForCausalLM
 
-from replica import LLM, SamplingParams
+from kvserve import LLM, SamplingParams
 from replica.config import EngineConfig
 from replica.cpu import build, kernel_choice, linear_kernels
 from replica.cpu.kernel_choice import KernelChooser, LinearChoice, LinearShape, buckets_up_to, fastest

@@ -13,7 +13,7 @@ from conftest import save_random_llama
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replica import LLM, SamplingParams
+from kvserve import LLM, SamplingParams
 from replica.attention import choose_backend
 from replica.config import EngineConfig
 from replica.cpu import linear_kernels

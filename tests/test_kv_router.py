@@ -18,11 +18,9 @@ from ray.serve.request_router import PendingRequest
 
 from deployments.app import build_app
 from kvcache import KVCacheManager, hash_full_blocks
-from replica import SamplingParams
-from replica.lora.request import LoRARequest
-from replica.wire import GenerateRequest, ReplicaReport
-from router.coordinator import coordinator_address, follow_snapshots, get_coordinator
-from router.kv_router import (
+from kvserve import SamplingParams
+from router.placement.coordinator import coordinator_address, follow_snapshots, get_coordinator
+from router.placement.kv_router import (
     ADAPTER_LOAD_TOKENS,
     ARRIVAL_MARGIN_S,
     OWED_TTL_S,
@@ -35,6 +33,8 @@ from router.kv_router import (
     net_free_blocks,
     placement,
 )
+from wire.lora_request import LoRARequest
+from wire.messages import GenerateRequest, ReplicaReport
 
 APP = "router-test"
 MODEL = "SmolLM2-135M-Instruct"

@@ -9,9 +9,9 @@ from conftest import hf_greedy, save_lora_adapter
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from replica import LLM, SamplingParams
+from kvserve import LLM, SamplingParams
 from replica.lora.adapter_files import LoRAAdapterError
-from replica.lora.request import LoRARequest
+from wire.lora_request import LoRARequest
 
 ADAPTERS = {"a": 8, "b": 16, "c": 8, "d": 16}  # name -> rank
 PROMPTS = [  # two per adapter, then two for the base model

@@ -22,8 +22,8 @@ from replica.lora.adapter_files import (
     safetensors_shapes,
 )
 from replica.lora.cache import AdapterCache
-from replica.lora.request import LoRARequest
 from replica.lora.weights import AdapterWeights, load_adapter_weights
+from wire.lora_request import LoRARequest
 
 BASE = dict(
     hidden_size=64,

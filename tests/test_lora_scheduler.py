@@ -12,10 +12,10 @@ from test_scheduler_properties import SchedulerMachine, complete_step
 
 from kvcache import KVCacheManager
 from kvcache.hashing import ROOT_HASH
-from replica.lora.request import LoRARequest
 from replica.request import Request, RequestStatus
-from replica.sampling_params import SamplingParams
 from replica.scheduler import Scheduler
+from wire.lora_request import LoRARequest
+from wire.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 12

@@ -22,11 +22,11 @@ from test_coordinator import report
 
 from deployments.app import AppConfig, build_app
 from deployments.cli import _lora_modules, main
-from router.coordinator import Coordinator, LoRANameTaken, LoRARegistry
+from router.api.protos import kvserve_pb2 as pb
+from router.api.protos import kvserve_pb2_grpc as pb_grpc
 from router.generation import APIError
 from router.lora_adapters import Adapters, LoRASettings
-from router.protos import kvserve_pb2 as pb
-from router.protos import kvserve_pb2_grpc as pb_grpc
+from router.placement.coordinator import Coordinator, LoRANameTaken, LoRARegistry
 
 APP = "lora-test"
 MODEL = "SmolLM2-135M-Instruct"

@@ -6,9 +6,9 @@ from dataclasses import replace
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from replica.spec_decode.stats import SpecDecodeStats
-from replica.wire import ReplicaReport
 from router.metrics import REPLICA_COUNTERS, ServingMetrics
+from wire.messages import ReplicaReport
+from wire.spec_decode_stats import SpecDecodeStats
 
 
 def metric_values(text: str) -> dict[str, float]:

@@ -16,10 +16,10 @@ from ray import serve
 from test_metrics import metric_values
 
 from deployments.app import build_app
-from replica.wire import ReplicaReport
-from router.coordinator import coordinator_address
-from router.protos import kvserve_pb2 as pb
-from router.protos import kvserve_pb2_grpc as pb_grpc
+from router.api.protos import kvserve_pb2 as pb
+from router.api.protos import kvserve_pb2_grpc as pb_grpc
+from router.placement.coordinator import coordinator_address
+from wire.messages import ReplicaReport
 
 APP = "migration-test"
 MODEL = "SmolLM2-135M-Instruct"

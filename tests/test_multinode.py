@@ -28,8 +28,8 @@ from conftest import HUB_ID, wait_for
 from ray import serve
 
 from deployments.app import build_app
-from replica.wire import ReplicaReport
-from router.coordinator import coordinator_address
+from router.placement.coordinator import coordinator_address
+from wire.messages import ReplicaReport
 
 GCS_PORT, HTTP_PORT = 29390, 18491  # the GCS port outside Ray's worker ports (10002-19999)
 APP = "kvserve"

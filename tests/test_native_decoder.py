@@ -9,7 +9,7 @@ import torch
 from test_other_models import CONFIGS
 from transformers import AutoModelForCausalLM
 
-from replica import LLM, SamplingParams
+from kvserve import LLM, SamplingParams
 from replica.attention.context import get_forward_context
 from replica.cpu import build, ops
 

@@ -13,7 +13,7 @@ from conftest import SERVE_HTTP_PORT, undeploy
 from ray import serve
 
 from deployments.app import build_app
-from replica.wire import ReplicaReport
+from wire.messages import ReplicaReport
 
 APP = "surface-test"
 MODEL = "SmolLM2-135M-Instruct"

@@ -8,7 +8,7 @@ import torch
 from conftest import hf_greedy
 from transformers import AutoModelForCausalLM, GemmaConfig, LlamaConfig, Qwen2Config, Qwen3Config
 
-from replica import LLM, SamplingParams
+from kvserve import LLM, SamplingParams
 
 CONFIGS = {
     "llama-gqa4": LlamaConfig(

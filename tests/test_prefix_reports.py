@@ -1,5 +1,5 @@
 """Prefix reports at GPU-like scale: a replica reports a bounded set of cached block
-hashes (replica/deployment.py's CACHED_HASHES_REPORTED, 4,096), and a shared system
+hashes (replica/server/deployment.py's CACHED_HASHES_REPORTED, 4,096), and a shared system
 prompt must stay in it, and keep drawing its requests, however many unique blocks are
 cached after it. The real KVCacheManager does the bookkeeping; no model runs."""
 
@@ -8,12 +8,12 @@ import time
 from collections import deque
 
 from kvcache import KVCacheManager, hash_full_blocks
-from replica.wire import ReplicaReport
-from router.kv_router import ReplicaView, RoutedRequest, cached_prefix_blocks, placement
+from router.placement.kv_router import ReplicaView, RoutedRequest, cached_prefix_blocks, placement
+from wire.messages import ReplicaReport
 
 NUM_BLOCKS = 20_000
 BLOCK = 16
-REPORTED = 4096  # replica/deployment.py's CACHED_HASHES_REPORTED
+REPORTED = 4096  # replica/server/deployment.py's CACHED_HASHES_REPORTED
 SYSTEM_BLOCKS = 40
 SUFFIX_TOKENS = 4 * BLOCK + 5  # unique per request: 4 full blocks and a partial one
 OUTPUT_TOKENS = 20
@@ -45,7 +45,7 @@ def churn(kv: KVCacheManager, system: list[int], rng: random.Random) -> int:
 
 
 def report(kv: KVCacheManager) -> ReplicaReport:
-    """An idle replica's report (replica/deployment.py's _build_report) over `kv`."""
+    """An idle replica's report (replica/server/deployment.py's _build_report) over `kv`."""
     stats = kv.stats()
     return ReplicaReport(
         node_id="node",

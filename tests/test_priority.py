@@ -9,12 +9,12 @@ import asyncio
 import openai
 import pytest
 
-from replica import LLM, SamplingParams
+from kvserve import LLM, SamplingParams
 from replica.request import Request
-from router.frontend import FrontEnd
-from router.grpc_api import chat_body, completion_body
-from router.protocol import CompletionRequest
-from router.protos import kvserve_pb2 as pb
+from router.api.frontend import FrontEnd
+from router.api.grpc_api import chat_body, completion_body
+from router.api.protocol import CompletionRequest
+from router.api.protos import kvserve_pb2 as pb
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPTS = ["The capital of France is", "Water boils at", "One, two, three,", "The sky is"]

@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PROTO = "router/protos/kvserve.proto"
+PROTO = "router/api/protos/kvserve.proto"
 
 
 def test_generated_modules_are_up_to_date(tmp_path):
@@ -23,6 +23,6 @@ def test_generated_modules_are_up_to_date(tmp_path):
         check=True,
     )
     for name in ("kvserve_pb2.py", "kvserve_pb2_grpc.py"):
-        fresh = (tmp_path / "router" / "protos" / name).read_text()
-        committed = (ROOT / "router" / "protos" / name).read_text()
-        assert committed == fresh, f"router/protos/{name} is stale: run `make protos`"
+        fresh = (tmp_path / "router" / "api" / "protos" / name).read_text()
+        committed = (ROOT / "router" / "api" / "protos" / name).read_text()
+        assert committed == fresh, f"router/api/protos/{name} is stale: run `make protos`"

@@ -12,7 +12,7 @@ from test_int8 import assert_greedy_equals_quantized_hf, needs_gemm_i8
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from bench.compressed_checkpoint import save_compressed
-from replica import LLM, SamplingParams
+from kvserve import LLM, SamplingParams
 from replica.model_loader import ModelNotFoundError
 
 compressed_tensors = pytest.importorskip(

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from test_gpu_path import TINY
 from transformers import AutoModelForCausalLM
 
-from replica import LLM, SamplingParams
+from kvserve import LLM, SamplingParams
 from replica.checkpoint_quantization import attach_weight_scales, checkpoint_quantization, dense_copy
 from replica.config import EngineConfig
 from replica.quantized_linear import (

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from replica import SamplingParams
+from kvserve import SamplingParams
 from replica.engine import Engine
 
 PROMPT = "Write a short story about a lighthouse keeper."

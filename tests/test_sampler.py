@@ -7,8 +7,8 @@ from replica.cpu import build
 from replica.cpu import ops as cpu_ops
 from replica.request import Request
 from replica.sampler import sample
-from replica.sampling_params import SamplingParams
 from replica.sampling_state import SamplingState
+from wire.sampling_params import SamplingParams
 
 V = 50
 

@@ -1,6 +1,6 @@
 import pytest
 
-from replica import SamplingParams
+from kvserve import SamplingParams
 
 
 @pytest.mark.parametrize(

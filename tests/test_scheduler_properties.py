@@ -11,8 +11,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvcache import KVCacheManager
 from replica.request import FinishReason, Request
-from replica.sampling_params import SamplingParams
 from replica.scheduler import Scheduler
+from wire.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 12

@@ -7,9 +7,9 @@ out; and proposals that keep failing pause."""
 import pytest
 from conftest import hf_greedy, save_random_llama
 
-from replica import LLM, SamplingParams
-from replica.sampling_params import StructuredOutputs
+from kvserve import LLM, SamplingParams
 from replica.spec_decode.ngram import propose_ngram
+from wire.sampling_params import StructuredOutputs
 
 LIST = ", ".join(["apple", "banana", "cherry", "date", "elderberry", "fig", "grape", "honeydew", "kiwi"])
 PROMPTS = [

@@ -8,10 +8,10 @@ from conftest import hf_greedy, save_random_llama
 
 from replica.config import EngineConfig
 from replica.request import Request
-from replica.sampling_params import SamplingParams
 from replica.spec_decode.config import SpeculativeConfig
 from replica.spec_decode.draft_model import DraftModelProposer
 from replica.spec_decode.proposal import Proposal
+from wire.sampling_params import SamplingParams
 
 VOCAB = 49152
 K = 4

@@ -17,10 +17,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvcache.hashing import ROOT_HASH, hash_full_blocks
 from replica.request import FinishReason, Request
-from replica.sampling_params import SamplingParams
 from replica.spec_decode.acceptance import SpeculationState
 from replica.spec_decode.ngram import propose_ngram
 from replica.spec_decode.verify import verify
+from wire.sampling_params import SamplingParams
 
 
 class SpecSchedulerMachine(SchedulerMachine):

@@ -12,13 +12,13 @@ from ray import serve
 
 from deployments.app import build_app
 from deployments.batch import SAMPLING_FIELDS
-from replica.sampling_params import SamplingParams
-from router.anthropic import MessagesRequest, chat_request
-from router.grpc_api import sampling_fields
-from router.protocol import ChatCompletionRequest, CompletionRequest
-from router.protos import kvserve_pb2 as pb
-from router.response_store import ResponseStore
-from router.responses import ResponsesRequest, prepare
+from router.api.anthropic import MessagesRequest, chat_request
+from router.api.grpc_api import sampling_fields
+from router.api.protocol import ChatCompletionRequest, CompletionRequest
+from router.api.protos import kvserve_pb2 as pb
+from router.api.response_store import ResponseStore
+from router.api.responses import ResponsesRequest, prepare
+from wire.sampling_params import SamplingParams
 
 APP = "spec-test"
 MODEL = "SmolLM2-135M-Instruct"

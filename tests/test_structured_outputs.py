@@ -6,8 +6,8 @@ import re
 import jsonschema
 import pytest
 
-from replica import LLM, SamplingParams
-from router.tool_calls import parse, required_grammar
+from kvserve import LLM, SamplingParams
+from router.api.tool_calls import parse, required_grammar
 
 PERSON = {
     "type": "object",

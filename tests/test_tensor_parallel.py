@@ -17,10 +17,10 @@ from ray import serve
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from deployments.app import build_app
-from replica import LLM, SamplingParams
+from kvserve import LLM, SamplingParams
 from replica.parallel import workers
 from replica.parallel.sharding import ShardingError, split_heads
-from router.coordinator import coordinator_address
+from router.placement.coordinator import coordinator_address
 
 PROMPTS = [
     "Hi",

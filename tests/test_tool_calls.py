@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from replica.chat_template import chat_prompt_ids, load_chat_template
-from router.tool_calls import ToolCallStream, parse
+from router.api.tool_calls import ToolCallStream, parse
 
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
 

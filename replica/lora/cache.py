@@ -4,8 +4,8 @@ past the limit until that request ends."""
 
 from collections import OrderedDict
 
-from replica.lora.request import LoRARequest
 from replica.lora.weights import AdapterWeights
+from wire.lora_request import LoRARequest
 
 
 class AdapterCache:

@@ -3,7 +3,7 @@ scheduler; the runner holds the weights). A slot is taken when an adapter's firs
 request starts running and stays with that adapter, loaded, until another adapter
 needs a slot that no running request uses."""
 
-from replica.lora.request import LoRARequest
+from wire.lora_request import LoRARequest
 
 
 class LoRASlots:

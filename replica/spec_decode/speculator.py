@@ -19,8 +19,8 @@ from replica.cpu.affinity import CorePlan
 from replica.request import Request
 from replica.scheduler import ScheduledRequest, Scheduler
 from replica.spec_decode.ngram import NgramProposer
-from replica.spec_decode.stats import SpecDecodeStats
 from replica.spec_decode.verify import Verified, verify
+from wire.spec_decode_stats import SpecDecodeStats
 
 
 class Speculator:

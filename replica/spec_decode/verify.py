@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from replica.outputs import TokenLogprob
 from replica.request import Request
 from replica.sampler import SamplingBatch, _filtered_probs
+from wire.outputs import TokenLogprob
 
 
 @dataclass

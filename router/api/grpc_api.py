@@ -1,6 +1,6 @@
-"""The gRPC API (router/protos/kvserve.proto), served by Ray Serve's gRPC proxy from the
+"""The gRPC API (router/api/protos/kvserve.proto), served by Ray Serve's gRPC proxy from the
 same ingress deployment as HTTP. Requests become the HTTP API's pydantic models and go
-through the same front end (router/frontend.py), so both APIs accept, default and
+through the same front end (router/api/frontend.py), so both APIs accept, default and
 refuse exactly the same things; errors map onto gRPC status codes with the same
 messages."""
 
@@ -11,11 +11,11 @@ import grpc
 from pydantic import ValidationError
 from ray.serve.grpc_util import RayServegRPCContext
 
-from replica.wire import LogprobEntry
-from router.frontend import Choice, ChoiceDelta, Choices, EngineInput
+from router.api.frontend import Choice, ChoiceDelta, Choices, EngineInput
+from router.api.protocol import ChatCompletionRequest, CompletionRequest, main_error
+from router.api.protos import kvserve_pb2 as pb
 from router.generation import APIError, Generation
-from router.protocol import ChatCompletionRequest, CompletionRequest, main_error
-from router.protos import kvserve_pb2 as pb
+from wire.messages import LogprobEntry
 
 STATUS_CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT,

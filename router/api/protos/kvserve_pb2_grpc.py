@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from router.protos import kvserve_pb2 as router_dot_protos_dot_kvserve__pb2
+from router.api.protos import kvserve_pb2 as router_dot_api_dot_protos_dot_kvserve__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in router/protos/kvserve_pb2_grpc.py depends on'
+        + ' but the generated code in router/api/protos/kvserve_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,28 +36,28 @@ class LLMStub:
         """
         self.Generate = channel.unary_unary(
                 '/kvserve.LLM/Generate',
-                request_serializer=router_dot_protos_dot_kvserve__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=router_dot_protos_dot_kvserve__pb2.GenerateResponse.FromString,
+                request_serializer=router_dot_api_dot_protos_dot_kvserve__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=router_dot_api_dot_protos_dot_kvserve__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.GenerateStream = channel.unary_stream(
                 '/kvserve.LLM/GenerateStream',
-                request_serializer=router_dot_protos_dot_kvserve__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=router_dot_protos_dot_kvserve__pb2.GenerateResponse.FromString,
+                request_serializer=router_dot_api_dot_protos_dot_kvserve__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=router_dot_api_dot_protos_dot_kvserve__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Chat = channel.unary_unary(
                 '/kvserve.LLM/Chat',
-                request_serializer=router_dot_protos_dot_kvserve__pb2.ChatRequest.SerializeToString,
-                response_deserializer=router_dot_protos_dot_kvserve__pb2.GenerateResponse.FromString,
+                request_serializer=router_dot_api_dot_protos_dot_kvserve__pb2.ChatRequest.SerializeToString,
+                response_deserializer=router_dot_api_dot_protos_dot_kvserve__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.ChatStream = channel.unary_stream(
                 '/kvserve.LLM/ChatStream',
-                request_serializer=router_dot_protos_dot_kvserve__pb2.ChatRequest.SerializeToString,
-                response_deserializer=router_dot_protos_dot_kvserve__pb2.GenerateResponse.FromString,
+                request_serializer=router_dot_api_dot_protos_dot_kvserve__pb2.ChatRequest.SerializeToString,
+                response_deserializer=router_dot_api_dot_protos_dot_kvserve__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/kvserve.LLM/ListModels',
-                request_serializer=router_dot_protos_dot_kvserve__pb2.ListModelsRequest.SerializeToString,
-                response_deserializer=router_dot_protos_dot_kvserve__pb2.ListModelsResponse.FromString,
+                request_serializer=router_dot_api_dot_protos_dot_kvserve__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=router_dot_api_dot_protos_dot_kvserve__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
 
 
@@ -99,28 +99,28 @@ def add_LLMServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_unary_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=router_dot_protos_dot_kvserve__pb2.GenerateRequest.FromString,
-                    response_serializer=router_dot_protos_dot_kvserve__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=router_dot_api_dot_protos_dot_kvserve__pb2.GenerateRequest.FromString,
+                    response_serializer=router_dot_api_dot_protos_dot_kvserve__pb2.GenerateResponse.SerializeToString,
             ),
             'GenerateStream': grpc.unary_stream_rpc_method_handler(
                     servicer.GenerateStream,
-                    request_deserializer=router_dot_protos_dot_kvserve__pb2.GenerateRequest.FromString,
-                    response_serializer=router_dot_protos_dot_kvserve__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=router_dot_api_dot_protos_dot_kvserve__pb2.GenerateRequest.FromString,
+                    response_serializer=router_dot_api_dot_protos_dot_kvserve__pb2.GenerateResponse.SerializeToString,
             ),
             'Chat': grpc.unary_unary_rpc_method_handler(
                     servicer.Chat,
-                    request_deserializer=router_dot_protos_dot_kvserve__pb2.ChatRequest.FromString,
-                    response_serializer=router_dot_protos_dot_kvserve__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=router_dot_api_dot_protos_dot_kvserve__pb2.ChatRequest.FromString,
+                    response_serializer=router_dot_api_dot_protos_dot_kvserve__pb2.GenerateResponse.SerializeToString,
             ),
             'ChatStream': grpc.unary_stream_rpc_method_handler(
                     servicer.ChatStream,
-                    request_deserializer=router_dot_protos_dot_kvserve__pb2.ChatRequest.FromString,
-                    response_serializer=router_dot_protos_dot_kvserve__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=router_dot_api_dot_protos_dot_kvserve__pb2.ChatRequest.FromString,
+                    response_serializer=router_dot_api_dot_protos_dot_kvserve__pb2.GenerateResponse.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
-                    request_deserializer=router_dot_protos_dot_kvserve__pb2.ListModelsRequest.FromString,
-                    response_serializer=router_dot_protos_dot_kvserve__pb2.ListModelsResponse.SerializeToString,
+                    request_deserializer=router_dot_api_dot_protos_dot_kvserve__pb2.ListModelsRequest.FromString,
+                    response_serializer=router_dot_api_dot_protos_dot_kvserve__pb2.ListModelsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -148,8 +148,8 @@ class LLM:
             request,
             target,
             '/kvserve.LLM/Generate',
-            router_dot_protos_dot_kvserve__pb2.GenerateRequest.SerializeToString,
-            router_dot_protos_dot_kvserve__pb2.GenerateResponse.FromString,
+            router_dot_api_dot_protos_dot_kvserve__pb2.GenerateRequest.SerializeToString,
+            router_dot_api_dot_protos_dot_kvserve__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -175,8 +175,8 @@ class LLM:
             request,
             target,
             '/kvserve.LLM/GenerateStream',
-            router_dot_protos_dot_kvserve__pb2.GenerateRequest.SerializeToString,
-            router_dot_protos_dot_kvserve__pb2.GenerateResponse.FromString,
+            router_dot_api_dot_protos_dot_kvserve__pb2.GenerateRequest.SerializeToString,
+            router_dot_api_dot_protos_dot_kvserve__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -202,8 +202,8 @@ class LLM:
             request,
             target,
             '/kvserve.LLM/Chat',
-            router_dot_protos_dot_kvserve__pb2.ChatRequest.SerializeToString,
-            router_dot_protos_dot_kvserve__pb2.GenerateResponse.FromString,
+            router_dot_api_dot_protos_dot_kvserve__pb2.ChatRequest.SerializeToString,
+            router_dot_api_dot_protos_dot_kvserve__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -229,8 +229,8 @@ class LLM:
             request,
             target,
             '/kvserve.LLM/ChatStream',
-            router_dot_protos_dot_kvserve__pb2.ChatRequest.SerializeToString,
-            router_dot_protos_dot_kvserve__pb2.GenerateResponse.FromString,
+            router_dot_api_dot_protos_dot_kvserve__pb2.ChatRequest.SerializeToString,
+            router_dot_api_dot_protos_dot_kvserve__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -256,8 +256,8 @@ class LLM:
             request,
             target,
             '/kvserve.LLM/ListModels',
-            router_dot_protos_dot_kvserve__pb2.ListModelsRequest.SerializeToString,
-            router_dot_protos_dot_kvserve__pb2.ListModelsResponse.FromString,
+            router_dot_api_dot_protos_dot_kvserve__pb2.ListModelsRequest.SerializeToString,
+            router_dot_api_dot_protos_dot_kvserve__pb2.ListModelsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -14,10 +14,10 @@ import uuid
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from replica.sampling_params import MAX_LOGPROBS, SamplingParams
-from replica.wire import GenerateRequest
-from router.frontend import EngineInput, FrontEnd
+from router.api.frontend import EngineInput, FrontEnd
 from router.generation import APIError, as_own_request
+from wire.messages import GenerateRequest
+from wire.sampling_params import MAX_LOGPROBS, SamplingParams
 
 _EXAMPLES = [
     ("What colour is grass?", "Grass is green because of chlorophyll.", "yes"),

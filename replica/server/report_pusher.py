@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import ray
 
-from replica.wire import ReplicaReport
+from wire.messages import ReplicaReport
 
 PUSH_INTERVAL_S = 0.1
 

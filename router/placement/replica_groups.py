@@ -4,7 +4,7 @@ replicas on 2-GPU nodes beside single-GPU ones on 1-GPU nodes.
 Ray Serve gives every replica of a deployment the same shape (its options and its
 placement group bundles), so each shape is a deployment of its own: a replica group,
 with its own KV router over its replicas. For each request the ingress picks the group
-whose best replica the KV router's own ranking (router/kv_router.py: room, then cost in
+whose best replica the KV router's own ranking (router/placement/kv_router.py: room, then cost in
 blocks net of the cached prefix) puts first, over every replica in the coordinator's
 snapshot; that group's KV router then picks the replica. As in the KV router, a group
 owes the blocks sent to it until its replicas report after them (spread over its
@@ -20,9 +20,8 @@ from dataclasses import dataclass
 
 from ray.serve.handle import DeploymentHandle
 
-from replica.wire import GenerateRequest, ReplicaReport
-from router.coordinator import follow_snapshots
-from router.kv_router import (
+from router.placement.coordinator import follow_snapshots
+from router.placement.kv_router import (
     ARRIVAL_MARGIN_S,
     REFRESH_INTERVAL_S,
     ReplicaView,
@@ -30,6 +29,7 @@ from router.kv_router import (
     blocks_needed,
     placement,
 )
+from wire.messages import GenerateRequest, ReplicaReport
 
 
 @dataclass

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from replica.engine import Engine
-from replica.outputs import RequestDelta
+from wire.outputs import RequestDelta
 
 logger = logging.getLogger(__name__)
 

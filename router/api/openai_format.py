@@ -1,14 +1,14 @@
 """OpenAI's completion and chat completion objects, whole or as server-sent events,
-rendered from the front end's choices (router/frontend.py)."""
+rendered from the front end's choices (router/api/frontend.py)."""
 
 import itertools
 import json
 import time
 from collections.abc import AsyncIterator
 
-from replica.wire import LogprobEntry
-from router.frontend import ChoiceDelta, Choices, vllm_prompt_logprobs
+from router.api.frontend import ChoiceDelta, Choices, vllm_prompt_logprobs
 from router.generation import APIError, Generation
+from wire.messages import LogprobEntry
 
 
 class CompletionFormatter:

@@ -58,9 +58,9 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from kvcache.hashing import ROOT_HASH, hash_full_blocks
 from kvcache.kv_manager import cdiv
-from replica.lora.request import LoRARequest
-from replica.wire import GenerateRequest, ReplicaReport
-from router.coordinator import follow_snapshots
+from router.placement.coordinator import follow_snapshots
+from wire.lora_request import LoRARequest
+from wire.messages import GenerateRequest, ReplicaReport
 
 logger = logging.getLogger("ray.serve")
 

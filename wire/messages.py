@@ -9,9 +9,9 @@ torch or the engine.
 
 from dataclasses import dataclass, field
 
-from replica.lora.request import LoRARequest
-from replica.sampling_params import SamplingParams
-from replica.spec_decode.stats import SpecDecodeStats
+from wire.lora_request import LoRARequest
+from wire.sampling_params import SamplingParams
+from wire.spec_decode_stats import SpecDecodeStats
 
 
 class QueueFullError(RuntimeError):
@@ -84,7 +84,7 @@ class ReplicaReport:
     KV router, the replica groups and the metrics endpoint."""
 
     node_id: str
-    deployment: str  # which replica group (router/replica_groups.py)
+    deployment: str  # which replica group (router/placement/replica_groups.py)
     device: str  # "cpu" or "cuda"
     tensor_parallel_size: int
     block_size: int

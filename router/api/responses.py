@@ -2,12 +2,12 @@
 as vLLM serves it.
 
 A Responses request is translated into the chat request kvserve already serves
-(router/protocol.py's ChatCompletionRequest), so templating, tool calls, structured
+(router/api/protocol.py's ChatCompletionRequest), so templating, tool calls, structured
 outputs and sampling limits are the chat endpoint's, not a second copy. The replica's
 chunks go through the same Choices as chat does; ResponseBuilder turns them into
 output items and, for streams, the Responses event sequence. The non-streamed answer
 is built by the same builder with its events dropped, so both paths agree exactly.
-`previous_response_id` continues a conversation kept in router/response_store.py."""
+`previous_response_id` continues a conversation kept in router/api/response_store.py."""
 
 import copy
 import json
@@ -19,12 +19,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, model_validator
 
-from replica.wire import StreamChunk
-from router.frontend import Choices
+from router.api.frontend import Choices
+from router.api.protocol import ChatCompletionRequest, main_error
+from router.api.response_store import ResponseStore
+from router.api.tool_calls import ParsedCall
 from router.generation import APIError, Generation
-from router.protocol import ChatCompletionRequest, main_error
-from router.response_store import ResponseStore
-from router.tool_calls import ParsedCall
+from wire.messages import StreamChunk
 
 ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")

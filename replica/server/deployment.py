@@ -1,11 +1,11 @@
 """The Ray Serve deployment that owns one engine and streams its outputs.
 
-The engine runs on its own thread (replica/engine_loop.py) and steps back to back; its
-outputs reach the per-request streams (replica/streams.py) on this replica's event
-loop, and leave as wire.StreamChunks (replica/stream_chunks.py). A stream that the
+The engine runs on its own thread (replica/server/engine_loop.py) and steps back to back; its
+outputs reach the per-request streams (replica/server/streams.py) on this replica's event
+loop, and leave as wire.StreamChunks (replica/server/stream_chunks.py). A stream that the
 caller drops (disconnect, cancel, timeout) aborts its engine request, so its KV blocks
 are free again after the current step. The replica's report goes to the coordinator
-from a thread of its own (replica/report_pusher.py).
+from a thread of its own (replica/server/report_pusher.py).
 """
 
 import asyncio
@@ -22,13 +22,13 @@ from ray import serve
 from replica.config import EngineConfig
 from replica.cpu.affinity import CorePlan, pin_process
 from replica.engine import Engine
-from replica.engine_loop import EngineLoop
-from replica.lora.request import LoRARequest
-from replica.report_pusher import PUSH_INTERVAL_S, ReportPusher
-from replica.stream_chunks import stream_chunks
-from replica.streams import RequestStreams
+from replica.server.engine_loop import EngineLoop
+from replica.server.report_pusher import PUSH_INTERVAL_S, ReportPusher
+from replica.server.stream_chunks import stream_chunks
+from replica.server.streams import RequestStreams
 from replica.versions import check_versions
-from replica.wire import EngineStepError, GenerateRequest, ReplicaReport, StreamChunk
+from wire.lora_request import LoRARequest
+from wire.messages import EngineStepError, GenerateRequest, ReplicaReport, StreamChunk
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 These models only check shapes. An explicit null means "the default", as in OpenAI's
 API. Value limits (temperature, top_p, n, ...) live in one place, SamplingParams, which
-the front end (router/frontend.py) builds from `sampling_fields()` for HTTP and gRPC."""
+the front end (router/api/frontend.py) builds from `sampling_fields()` for HTTP and gRPC."""
 
 import json
 from typing import Annotated, Any, Literal

@@ -2,8 +2,8 @@
 ingress. Logprob entries carry their tokens' strings, so that decoding has one owner,
 the replica."""
 
-from replica.outputs import RequestDelta, TokenLogprob
-from replica.wire import LogprobEntry, StreamChunk, TopLogprob
+from wire.messages import LogprobEntry, StreamChunk, TopLogprob
+from wire.outputs import RequestDelta, TokenLogprob
 
 
 def stream_chunks(deltas: list[RequestDelta], replica_id: str, tokenizer) -> list[StreamChunk]:

@@ -3,7 +3,7 @@ gets 413 before any of it is parsed or held beyond the limit."""
 
 import json
 
-from router.anthropic import error_body, is_messages_path
+from router.api.anthropic import error_body, is_messages_path
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20  # a 128k-token prompt as text or as token ids fits
 

@@ -1,5 +1,5 @@
 """The coordinator: one named Ray actor per application that holds every replica's
-latest report (replica/wire.py's ReplicaReport). Replicas push about every 100 ms;
+latest report (wire/messages.py's ReplicaReport). Replicas push about every 100 ms;
 routers and the metrics endpoint read snapshots. A replica that stops reporting is
 forgotten.
 
@@ -16,8 +16,8 @@ from dataclasses import replace
 
 import ray
 
-from replica.lora.request import LoRARequest
-from replica.wire import ReplicaReport
+from wire.lora_request import LoRARequest
+from wire.messages import ReplicaReport
 
 logger = logging.getLogger("ray.serve")
 

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP ingress: validate, apply the chat template, tokenize, and
 stream the replica's deltas back as JSON or server-sent events. The same deployment
-serves the gRPC API (router/grpc_api.py): Serve's gRPC proxy calls its methods."""
+serves the gRPC API (router/api/grpc_api.py): Serve's gRPC proxy calls its methods."""
 
 import asyncio
 import json
@@ -14,21 +14,14 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from replica.model_loader import is_hub_id, resolve_model
-from replica.sampling_params import SamplingParams
 from replica.versions import check_versions
-from replica.wire import GenerateRequest, ReplicaReport
-from router import anthropic, responses
-from router.body_limit import DEFAULT_MAX_REQUEST_BYTES
-from router.coordinator import get_coordinator
-from router.frontend import Choices, EngineInput, FrontEnd
-from router.generation import DEFAULT_MAX_MIGRATIONS, APIError, Generation
-from router.grpc_api import GrpcAPI
-from router.http_app import ERROR_400, ERROR_401, ERROR_404, GENERATION_RESPONSES, app
-from router.lora_adapters import Adapters, LoRASettings
-from router.metrics import ServingMetrics
-from router.model_files import load_tokenizer, model_limits
-from router.openai_format import CompletionFormatter, completion_events
-from router.protocol import (
+from router.api import anthropic, responses
+from router.api.body_limit import DEFAULT_MAX_REQUEST_BYTES
+from router.api.frontend import Choices, EngineInput, FrontEnd
+from router.api.grpc_api import GrpcAPI
+from router.api.http_app import ERROR_400, ERROR_401, ERROR_404, GENERATION_RESPONSES, app
+from router.api.openai_format import CompletionFormatter, completion_events
+from router.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -37,9 +30,16 @@ from router.protocol import (
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
 )
-from router.replica_groups import ReplicaGroups
-from router.rerank import RelevanceScorer, RerankRequest, ScoreRequest, rerank_response, score_response
-from router.response_store import ResponseStore
+from router.api.rerank import RelevanceScorer, RerankRequest, ScoreRequest, rerank_response, score_response
+from router.api.response_store import ResponseStore
+from router.generation import DEFAULT_MAX_MIGRATIONS, APIError, Generation
+from router.lora_adapters import Adapters, LoRASettings
+from router.metrics import ServingMetrics
+from router.model_files import load_tokenizer, model_limits
+from router.placement.coordinator import get_coordinator
+from router.placement.replica_groups import ReplicaGroups
+from wire.messages import GenerateRequest, ReplicaReport
+from wire.sampling_params import SamplingParams
 
 logger = logging.getLogger("ray.serve")
 REPLICA_HEADER = "x-kvserve-replica"
@@ -71,7 +71,7 @@ class OpenAIIngress(GrpcAPI):
         instead of the model's (say, one that renders tools). versions: kvserve's and
         Ray's where the application was built, which this process must run too.
         max_migrations: how often a stream may move on when its replica dies. more_llms:
-        deployments of replicas of other shapes (router/replica_groups.py). lora: the
+        deployments of replicas of other shapes (router/placement/replica_groups.py). lora: the
         engine's LoRA arguments and start-up adapters, None where enable_lora is off."""
         check_versions(versions, "ingress")
         app.state.max_request_bytes = max_request_bytes
@@ -279,7 +279,7 @@ class OpenAIIngress(GrpcAPI):
 
     @app.post("/v1/messages", responses=anthropic.RESPONSES)
     async def messages(self, body: anthropic.MessagesRequest, request: Request):
-        """Anthropic's Messages API, on the chat path (router/anthropic.py)."""
+        """Anthropic's Messages API, on the chat path (router/api/anthropic.py)."""
         self.frontend.check_auth(request.headers.get("authorization"), request.headers.get("x-api-key"))
         engine_input = await self.frontend.chat_input(anthropic.chat_request(body))
         generation = await self.frontend.start(engine_input)
@@ -331,7 +331,7 @@ class OpenAIIngress(GrpcAPI):
 
     @app.post("/v1/responses", responses=GENERATION_RESPONSES)
     async def create_response(self, body: responses.ResponsesRequest, request: Request):
-        """OpenAI's Responses API, run as a chat request (router/responses.py)."""
+        """OpenAI's Responses API, run as a chat request (router/api/responses.py)."""
         self.frontend.check_auth(request.headers.get("authorization"))
         turn = responses.prepare(body, self.response_store)
         engine_input = await self.frontend.chat_input(turn.chat)
@@ -350,6 +350,6 @@ class OpenAIIngress(GrpcAPI):
         responses={401: ERROR_401, 404: {"model": ErrorResponse, "description": "no such stored response"}},
     )
     async def get_response(self, response_id: str, request: Request) -> dict:
-        """A stored response, while this ingress replica keeps it (router/response_store.py)."""
+        """A stored response, while this ingress replica keeps it (router/api/response_store.py)."""
         self.frontend.check_auth(request.headers.get("authorization"))
         return responses.stored(self.response_store, response_id)

@@ -1,4 +1,4 @@
-"""The FastAPI app that the ingress deployment (router/http.py) serves: errors in
+"""The FastAPI app that the ingress deployment (router/api/http.py) serves: errors in
 OpenAI's shape (Anthropic's on the Messages routes), 400 rather than FastAPI's 422 for
 bad bodies, and the OpenAPI schema and error answers that the routes document."""
 
@@ -10,10 +10,10 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from router import anthropic
-from router.body_limit import BodySizeLimit
+from router.api import anthropic
+from router.api.body_limit import BodySizeLimit
+from router.api.protocol import ErrorResponse, main_error
 from router.generation import APIError
-from router.protocol import ErrorResponse, main_error
 
 app = FastAPI(title="kvserve")
 app.add_middleware(BodySizeLimit)
@@ -48,7 +48,7 @@ def _openapi(app: FastAPI) -> dict:
 
 # Bound to the app object, not read from this module: Serve serves a copy of the app,
 # pickled by @serve.ingress, whose routes are the ones to list; a replica need not
-# import router/http.py, which adds the routes to this module's app.
+# import router/api/http.py, which adds the routes to this module's app.
 app.openapi = functools.partial(_openapi, app)
 
 

@@ -2,8 +2,8 @@
 an OpenAI request into engine input (template, tokens, validated SamplingParams), and
 turning the replica's stream back into choices (n samples, best_of, echo, tool calls).
 
-The adapters only move bytes: router/http.py renders choices as OpenAI JSON and
-server-sent events, router/grpc_api.py as protobuf messages."""
+The adapters only move bytes: router/api/http.py renders choices as OpenAI JSON and
+server-sent events, router/api/grpc_api.py as protobuf messages."""
 
 import asyncio
 import dataclasses
@@ -12,15 +12,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from replica.chat_template import chat_prompt_ids
-from replica.lora.request import LoRARequest
-from replica.sampling_params import SamplingParams
-from replica.wire import GenerateRequest, LogprobEntry, StreamChunk, TopLogprob
-from router import tool_calls
+from router.api import tool_calls
+from router.api.protocol import ChatCompletionRequest, CompletionRequest, ResponseFormat
 from router.generation import DEFAULT_MAX_MIGRATIONS, APIError, Generation, start_generation
 from router.lora_adapters import Adapters
 from router.metrics import ServingMetrics
-from router.protocol import ChatCompletionRequest, CompletionRequest, ResponseFormat
-from router.replica_groups import ReplicaGroups
+from router.placement.replica_groups import ReplicaGroups
+from wire.lora_request import LoRARequest
+from wire.messages import GenerateRequest, LogprobEntry, StreamChunk, TopLogprob
+from wire.sampling_params import SamplingParams
 
 
 @dataclass

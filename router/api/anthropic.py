@@ -2,7 +2,7 @@
 llama.cpp and vLLM serve it, so that Claude-Code-style agents can use kvserve.
 
 A Messages request is translated into the OpenAI `ChatCompletionRequest` that the front
-end (router/frontend.py) already turns into engine input: system text becomes a system
+end (router/api/frontend.py) already turns into engine input: system text becomes a system
 message, `tool_use` blocks become assistant tool calls, `tool_result` blocks become tool
 messages, and tools and tool_choice map onto OpenAI functions. One template, one
 tokenizer path and one tool-call grammar therefore serve both APIs. This module then
@@ -23,10 +23,10 @@ from pydantic import (
     model_validator,
 )
 
-from router.frontend import Choice, Choices
+from router.api.frontend import Choice, Choices
+from router.api.protocol import ChatCompletionRequest, main_error
+from router.api.tool_calls import ParsedCall
 from router.generation import APIError, Generation
-from router.protocol import ChatCompletionRequest, main_error
-from router.tool_calls import ParsedCall
 
 MESSAGE_ROOT = "/v1/messages"
 

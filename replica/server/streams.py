@@ -8,7 +8,7 @@ engine, sends grow instead of the engine waiting."""
 import asyncio
 from dataclasses import dataclass, field
 
-from replica.outputs import RequestDelta
+from wire.outputs import RequestDelta
 
 
 @dataclass
