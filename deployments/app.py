@@ -124,6 +124,10 @@ class AppConfig(BaseModel):
     # Instead of the model's chat template: a Jinja template, a file holding one, or
     # the name of one that ships with kvserve ("chatml_tools": ChatML with Hermes tools).
     chat_template: str | None = None
+    # "auto": a request's unset sampling fields (temperature, top_p, top_k, min_p,
+    # repetition_penalty) take the values of the model's generation_config.json, as vLLM's
+    # --generation-config auto does; "none": SamplingParams' own (temperature 1, top_p 1).
+    generation_config: Literal["auto", "none"] = "auto"
     # Replicas of other shapes beside these, behind the same ingress and coordinator.
     replica_groups: list[ReplicaGroup] = Field(default_factory=list)
     # LoRA adapters served from the start (`--lora-modules`): name -> local PEFT folder, or
@@ -261,6 +265,7 @@ def build_app(config: AppConfig | dict) -> Application:
         max_migrations=config.max_migrations,
         more_llms=more,
         lora=config.lora_settings(),
+        generation_config=config.generation_config,
     )
 
 

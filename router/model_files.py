@@ -1,4 +1,5 @@
-"""What the ingress reads of a model: its tokenizer and two limits from its config.
+"""What the ingress reads of a model: its tokenizer, two limits from its config, and the
+sampling defaults of its generation config.
 
 Read without torch: transformers' auto classes import every model config module, and
 those import torch, which would load it into every ingress replica only to tokenize. A
@@ -35,3 +36,18 @@ def model_limits(path: Path) -> ModelLimits:
         config.get("max_position_embeddings") or text.get("max_position_embeddings"),
         config.get("vocab_size") or text.get("vocab_size"),
     )
+
+
+# The fields of a generation_config.json that serve as a request's sampling defaults, the
+# ones vLLM's `--generation-config auto` reads.
+SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_defaults(path: Path) -> dict:
+    """The model's recommended sampling, from its generation_config.json; what a request
+    sets itself wins. A model without the file, or without these fields, gives none."""
+    config_file = path / "generation_config.json"
+    if not config_file.is_file():
+        return {}
+    config = json.loads(config_file.read_text())
+    return {name: config[name] for name in SAMPLING_DEFAULT_FIELDS if config.get(name) is not None}

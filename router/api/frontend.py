@@ -173,11 +173,15 @@ class FrontEnd:
         chat_template: str | None = None,
         max_migrations: int = DEFAULT_MAX_MIGRATIONS,
         adapters: Adapters | None = None,
+        sampling_defaults: dict | None = None,
     ):
-        """adapters: the LoRA adapters requests may name as their model; None: none."""
+        """adapters: the LoRA adapters requests may name as their model; None: none.
+        sampling_defaults: SamplingParams fields for what a request leaves unset (the
+        model's generation config, router/model_files.py)."""
         self.replicas, self.metrics, self.model_name = replicas, metrics, model_name
         self.adapters = adapters or Adapters(None, model_name, {}, None)
         self.max_migrations = max_migrations
+        self.sampling_defaults = sampling_defaults or {}
         self.tokenizer, self.vocab_size, self.chat_template = tokenizer, vocab_size, chat_template
         self._api_keys = [key.encode() for key in api_keys or []]
         # Templating and tokenizing run off the event loop that streams every other
@@ -310,7 +314,7 @@ class FrontEnd:
         prompt_logprobs: int | None = None,
         lora: LoRARequest | None = None,
     ) -> EngineInput:
-        fields = body.sampling_fields()
+        fields = {**self.sampling_defaults, **body.sampling_fields()}
         choices = fields.get("n", 1)
         best_of = getattr(body, "best_of", None)
         if best_of is not None and best_of != choices:

@@ -35,7 +35,7 @@ from router.api.response_store import ResponseStore
 from router.generation import DEFAULT_MAX_MIGRATIONS, APIError, Generation
 from router.lora_adapters import Adapters, LoRASettings
 from router.metrics import ServingMetrics
-from router.model_files import load_tokenizer, model_limits
+from router.model_files import load_tokenizer, model_limits, sampling_defaults
 from router.placement.coordinator import get_coordinator
 from router.placement.replica_groups import ReplicaGroups
 from wire.messages import GenerateRequest, ReplicaReport
@@ -64,6 +64,7 @@ class OpenAIIngress(GrpcAPI):
         max_migrations: int = DEFAULT_MAX_MIGRATIONS,
         more_llms: list[DeploymentHandle] | None = None,
         lora: LoRASettings | None = None,
+        generation_config: str = "auto",
     ):
         """api_keys: when given, /v1/* and every gRPC call need one of them. warm_up: send
         one tiny request through the whole path at start-up (off where the replicas may
@@ -72,7 +73,9 @@ class OpenAIIngress(GrpcAPI):
         Ray's where the application was built, which this process must run too.
         max_migrations: how often a stream may move on when its replica dies. more_llms:
         deployments of replicas of other shapes (router/placement/replica_groups.py). lora: the
-        engine's LoRA arguments and start-up adapters, None where enable_lora is off."""
+        engine's LoRA arguments and start-up adapters, None where enable_lora is off.
+        generation_config: "auto" takes the defaults of unset sampling fields from the
+        model's generation_config.json, as vLLM does; "none" keeps SamplingParams' own."""
         check_versions(versions, "ingress")
         app.state.max_request_bytes = max_request_bytes
         self.llms = [llm, *(more_llms or [])]
@@ -89,6 +92,9 @@ class OpenAIIngress(GrpcAPI):
         base_config = json.loads((path / "config.json").read_text()) if lora else {}
         adapters = Adapters(lora, model_name, base_config, coordinator)
         await adapters.start()
+        defaults = sampling_defaults(path) if generation_config == "auto" else {}
+        if defaults:
+            logger.info("sampling defaults from the model's generation_config.json: %s", defaults)
         self.frontend = FrontEnd(
             ReplicaGroups(self.llms, coordinator),
             self.metrics,
@@ -99,6 +105,7 @@ class OpenAIIngress(GrpcAPI):
             chat_template,
             max_migrations,
             adapters,
+            defaults,
         )
         self._warm_up = asyncio.get_running_loop().create_task(self._send_warm_up()) if warm_up else None
         self.response_store = ResponseStore()  # /v1/responses' store: this replica's, in memory
