@@ -1,6 +1,6 @@
 """Engine arguments, one flat dataclass so the CLI, the offline API and Serve share them."""
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from replica.spec_decode.config import SpeculativeConfig
 
@@ -18,12 +18,28 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 @dataclass
 class EngineConfig:
-    model: str | None = None  # None: the bundled SmolLM2-135M-Instruct; else a path or hub id
-    revision: str | None = None  # of a hub id: a branch, tag or commit (default: main)
-    dtype: str = "auto"  # auto: bfloat16 on GPUs and AVX512-BF16/AMX CPUs, else float32
+    """A field's metadata holds its command-line help and choices: the CLI's engine flags
+    are made from these fields (deployments/engine_flags.py)."""
+
+    # None: the bundled SmolLM2-135M-Instruct; else a path or hub id.
+    model: str | None = field(
+        default=None,
+        metadata={
+            "help": "hub id (org/name), local HF directory or .gguf file (default: the bundled SmolLM2)"
+        },
+    )
+    revision: str | None = field(default=None, metadata={"help": "of a hub id: branch, tag or commit"})
+    dtype: str = field(
+        default="auto",
+        metadata={"help": "auto: bfloat16 on GPUs and AVX512-BF16/AMX CPUs, else float32", "choices": DTYPES},
+    )
     device: str = "auto"  # auto: cuda if available, else cpu
     block_size: int = 16
-    kv_cache_memory_gb: float = 1.0  # KV budget on CPU; ignored when num_kv_blocks is set
+    # Ignored when num_kv_blocks is set.
+    kv_cache_memory_gb: float = field(
+        default=1.0,
+        metadata={"help": "the KV cache's size off CUDA, in GB (on CUDA it takes the GPU memory left)"},
+    )
     # On CUDA the KV cache takes what is left of this share of GPU memory after the weights
     # and a profiled worst-case step; ignored when num_kv_blocks is set.
     gpu_memory_utilization: float = 0.9
@@ -33,9 +49,18 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's, clipped to the KV capacity
     # Devices one replica's model is split over (replica/parallel/): rank 0 in the replica's
     # process, the others in Ray actors of its placement group. NCCL on GPUs, gloo on CPU.
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = field(
+        default=1, metadata={"help": "devices (GPUs, or CPU processes) each replica's model is split over"}
+    )
     enable_prefix_caching: bool = True
-    scheduling_policy: str = "fcfs"
+    # static, the benchmarks' baseline, is left out of the flag's choices.
+    scheduling_policy: str = field(
+        default="fcfs",
+        metadata={
+            "help": "fcfs (default): in arrival order; priority: by each request's `priority`, lower first",
+            "choices": ("fcfs", "priority"),
+        },
+    )
     # auto: flash_attn > triton > torch on CUDA (each if installed); on CPU, kvserve's C
     # kernels (cpu) where they build, else torch.
     attention_backend: str = "auto"
@@ -61,28 +86,64 @@ class EngineConfig:
     # the C kernel attends fresh prefills. "auto": whichever measured fastest on this
     # machine (replica/cpu/kernel_choice.py; timings cached in ~/.cache/kvserve/kernels).
     # "gemm.c", "onednn" or "torch" force one, for A/B runs.
-    cpu_kernels: str = "auto"
+    cpu_kernels: str = field(
+        default="auto",
+        metadata={
+            "help": "on CPU: auto picks each linear's kernel per row count by measurement on this machine "
+            "(cached in ~/.cache/kvserve/kernels); a name forces it, for A/B runs",
+            "choices": CPU_KERNEL_CHOICES,
+        },
+    )
     # Weight quantization at load, vLLM's argument. "int8" (CPUs and GPUs) or "fp8" (e4m3,
     # GPUs of compute capability 8.9 or newer): each decoder linear's weight in 8 bits with
     # one scale per output row, its activations quantized per token at each step, and
     # lm_head's alike. The embeddings stay in `dtype`.
-    quantization: str | None = None
+    quantization: str | None = field(
+        default=None,
+        metadata={
+            "help": "int8 (CPUs and GPUs) or fp8 (GPUs of compute capability 8.9+): each decoder linear's "
+            "weight in 8 bits, its activations quantized per token",
+            "choices": QUANTIZATIONS,
+        },
+    )
     # The KV cache's element type, vLLM's argument (replica/kv_quant.py). "auto": the model's
     # dtype. "fp8" (e4m3, as "fp8_e4m3") or "fp8_e5m2": one byte per element, each layer's
     # keys and values divided by a scale, so the same memory holds twice bf16's blocks.
     # "bfloat16": two bytes, beside a float32 model too.
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "the KV cache's element type; fp8 (e4m3) or fp8_e5m2 holds twice bf16's tokens in "
+            "the same memory (default auto: the model's dtype)",
+            "choices": KV_CACHE_DTYPES,
+        },
+    )
     # LoRA adapters (replica/lora/), vLLM's arguments: max_loras adapters in one step,
     # each of rank <= max_lora_rank; max_cpu_loras adapters kept loaded (None: max_loras),
     # the least recently used one dropped past it.
-    enable_lora: bool = False
-    max_loras: int = 1
-    max_lora_rank: int = 16
-    max_cpu_loras: int | None = None
+    enable_lora: bool = field(
+        default=False,
+        metadata={"help": "serve LoRA adapters beside the model (implied by --lora-modules)"},
+    )
+    max_loras: int = field(default=1, metadata={"help": "most adapters in one engine step"})
+    max_lora_rank: int = field(default=16, metadata={"help": "highest adapter rank accepted"})
+    max_cpu_loras: int | None = field(
+        default=None,
+        metadata={
+            "help": "adapters a replica keeps loaded, least recently used dropped past it "
+            "(default: --max-loras)"
+        },
+    )
     # Speculative decoding (replica/spec_decode/), vLLM's argument: a dict such as
     # {"method": "ngram", "num_speculative_tokens": 4} or {"method": "draft_model",
     # "model": ..., "num_speculative_tokens": 4}, its JSON text, or None for none.
-    speculative_config: SpeculativeConfig | dict | str | None = None
+    speculative_config: SpeculativeConfig | dict | str | None = field(
+        default=None,
+        metadata={
+            "help": 'speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+            'or \'{"method": "draft_model", "model": "org/small", "num_speculative_tokens": 4}\''
+        },
+    )
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
