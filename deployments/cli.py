@@ -99,6 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
         '("chatml_tools": ChatML with Hermes tool calls, for SmolLM2)',
     )
     srv.add_argument(
+        "--generation-config",
+        choices=["auto", "none"],
+        default="auto",
+        help='"auto" (default): unset sampling fields take the model\'s generation_config.json '
+        'values, as in vLLM; "none": temperature 1 and top_p 1 unless a request sets them',
+    )
+    srv.add_argument(
         "--cpu-cores",
         default="auto",
         help='CPU serving: cores to pin the replica to, e.g. "2,3" (one thread each); '
@@ -297,6 +304,7 @@ def _serve_config(args: argparse.Namespace) -> "AppConfig | None":
             grpc_port=args.grpc_port,
             max_waiting=args.max_waiting,
             chat_template=args.chat_template,
+            generation_config=args.generation_config,
             api_keys=args.api_key
             + [k.strip() for k in os.environ.get("KVSERVE_API_KEYS", "").split(",") if k.strip()],
             engine_args={**engine_args, "cpu_cores": _cpu_cores(args.cpu_cores, args.replicas)},

@@ -73,3 +73,14 @@ def test_engine_args_are_the_flags_values(command):
     assert modules == {}
     assert set(engine_args) == set(ENGINE_FLAGS[command]) - set(LORA_FLAGS)
     assert EngineConfig.from_kwargs(**engine_args) == EngineConfig()
+
+
+def test_serve_takes_the_generation_config_rule():
+    """`--generation-config` reaches the app's config: "auto" by default, as in vLLM."""
+    from deployments.cli import _serve_config
+
+    assert _serve_config(build_parser().parse_args(["serve"])).generation_config == "auto"
+    chosen = build_parser().parse_args(["serve", "--generation-config", "none"])
+    assert _serve_config(chosen).generation_config == "none"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--generation-config", "vllm"])
