@@ -5,12 +5,13 @@ A Messages request is translated into the OpenAI `ChatCompletionRequest` that th
 end (router/api/frontend.py) already turns into engine input: system text becomes a system
 message, `tool_use` blocks become assistant tool calls, `tool_result` blocks become tool
 messages, and tools and tool_choice map onto OpenAI functions. One template, one
-tokenizer path and one tool-call grammar therefore serve both APIs. This module then
-renders the front end's choices as Anthropic's message object or its event stream."""
+tokenizer path and one tool-call grammar therefore serve both APIs. MessagesRenderer
+then renders the front end's choices as Anthropic's message object or its event stream
+(router/api/respond.py sends them)."""
 
 import json
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -26,7 +27,8 @@ from pydantic import (
 from router.api.frontend import Choice, Choices
 from router.api.protocol import ChatCompletionRequest, main_error
 from router.api.tool_calls import ParsedCall
-from router.generation import APIError, Generation
+from router.generation import APIError
+from wire.messages import StreamChunk
 
 MESSAGE_ROOT = "/v1/messages"
 
@@ -250,14 +252,14 @@ def _tool_use(call: ParsedCall) -> dict:
     }
 
 
-def _event(kind: str, payload: dict) -> str:
-    return f"event: {kind}\ndata: {json.dumps({'type': kind, **payload})}\n\n"
+class MessagesRenderer:
+    """One Messages answer, whole or as Anthropic's event stream, built from the front
+    end's choices (one sample: Anthropic has no n). `decode` turns output ids into text
+    off the event loop; it finds which stop sequence ended the text, which the engine cuts
+    off without naming."""
 
-
-class Reply:
-    """One Messages answer, built from the front end's choices (one sample: Anthropic
-    has no n). `decode` turns output ids into text off the event loop; it finds which
-    stop sequence ended the text, which the engine cuts off without naming."""
+    named_events = True
+    ends_with_done = False
 
     def __init__(
         self,
@@ -269,6 +271,7 @@ class Reply:
         self.id = "msg_" + uuid.uuid4().hex
         self.model, self.choices, self.decode = model, choices, decode
         self.stop_sequences = stop_sequences or []
+        self.blocks = _Blocks()
 
     @property
     def sample(self) -> Choice:
@@ -305,7 +308,10 @@ class Reply:
             "usage": usage,
         }
 
-    async def message(self) -> dict:
+    def add(self, chunk: StreamChunk) -> None:
+        self.choices.add(chunk)
+
+    async def whole(self) -> dict:
         """The whole message. Whitespace around tool calls is no text block, as when
         streamed; an answer with neither text nor calls has one empty text block."""
         calls = [_tool_use(call) for call in self.sample.calls]
@@ -313,30 +319,28 @@ class Reply:
         content = [] if calls and not text.strip() else [{"type": "text", "text": text}]
         return self._message(content + calls, await self.stop(), self.usage())
 
-    async def events(self, generation: Generation) -> AsyncIterator[str]:
-        """Anthropic's event stream. Closing early (client gone) cancels the replica
-        stream; a failure once the status line is out arrives as an error event."""
-        try:
-            usage = {"input_tokens": len(self.choices.input.request.prompt), "output_tokens": 0}
-            yield _event("message_start", {"message": self._message([], (None, None), usage)})
-            yield _event("ping", {})
-            blocks = _Blocks()
-            try:
-                async for chunk in generation.chunks():
-                    delta = self.choices.add(chunk)
-                    for kind, payload in blocks.text(delta.text) + blocks.calls(delta.calls):
-                        yield _event(kind, payload)
-            except APIError as e:
-                yield _event("error", {"error": error_body(e.status, e.message)["error"]})
-                return
-            for kind, payload in blocks.finish():
-                yield _event(kind, payload)
-            reason, sequence = await self.stop()
-            delta = {"stop_reason": reason, "stop_sequence": sequence}
-            yield _event("message_delta", {"delta": delta, "usage": self.usage()})
-            yield _event("message_stop", {})
-        finally:
-            generation.cancel()
+    def opening(self) -> list[dict]:
+        usage = {"input_tokens": len(self.choices.input.request.prompt), "output_tokens": 0}
+        return [
+            {"type": "message_start", "message": self._message([], (None, None), usage)},
+            {"type": "ping"},
+        ]
+
+    def feed(self, chunk: StreamChunk) -> list[dict]:
+        delta = self.choices.add(chunk)
+        return self.blocks.text(delta.text) + self.blocks.calls(delta.calls)
+
+    def fail(self, error: APIError) -> list[dict]:
+        return [error_body(error.status, error.message)]
+
+    async def closing(self) -> list[dict]:
+        events = self.blocks.finish()
+        reason, sequence = await self.stop()
+        delta = {"stop_reason": reason, "stop_sequence": sequence}
+        return events + [
+            {"type": "message_delta", "delta": delta, "usage": self.usage()},
+            {"type": "message_stop"},
+        ]
 
 
 class _Blocks:
@@ -349,18 +353,25 @@ class _Blocks:
         self.text_open = False
         self.pending = ""
 
-    def _start(self, block: dict) -> list[tuple[str, dict]]:
+    def _start(self, block: dict) -> list[dict]:
         self.index += 1
-        return [("content_block_start", {"index": self.index, "content_block": block})]
+        return [{"type": "content_block_start", "index": self.index, "content_block": block}]
 
-    def _close(self) -> list[tuple[str, dict]]:
+    def _close(self) -> list[dict]:
         if not self.text_open:
             return []
         self.text_open = False
-        return [("content_block_stop", {"index": self.index})]
+        return [{"type": "content_block_stop", "index": self.index}]
 
-    def text(self, text: str) -> list[tuple[str, dict]]:
-        events: list[tuple[str, dict]] = []
+    def _text_delta(self, text: str) -> dict:
+        return {
+            "type": "content_block_delta",
+            "index": self.index,
+            "delta": {"type": "text_delta", "text": text},
+        }
+
+    def text(self, text: str) -> list[dict]:
+        events: list[dict] = []
         if not self.text_open:
             self.pending += text
             if not self.pending.strip():
@@ -369,33 +380,26 @@ class _Blocks:
             events = self._start({"type": "text", "text": ""})
             self.text_open = True
         if text:
-            events.append(
-                ("content_block_delta", {"index": self.index, "delta": {"type": "text_delta", "text": text}})
-            )
+            events.append(self._text_delta(text))
         return events
 
-    def calls(self, calls: list[ParsedCall]) -> list[tuple[str, dict]]:
-        events: list[tuple[str, dict]] = []
+    def calls(self, calls: list[ParsedCall]) -> list[dict]:
+        events: list[dict] = []
         for call in calls:
             block = _tool_use(call)
             delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
             events += self._close() + self._start({**block, "input": {}})
-            events.append(("content_block_delta", {"index": self.index, "delta": delta}))
-            events.append(("content_block_stop", {"index": self.index}))
+            events.append({"type": "content_block_delta", "index": self.index, "delta": delta})
+            events.append({"type": "content_block_stop", "index": self.index})
             self.pending = ""
         return events
 
-    def finish(self) -> list[tuple[str, dict]]:
+    def finish(self) -> list[dict]:
         """Closes the open block; with no block at all, the text there is (maybe none)."""
         if self.index < 0:
             self.text_open = True
             events = self._start({"type": "text", "text": ""})
             if self.pending:
-                events.append(
-                    (
-                        "content_block_delta",
-                        {"index": 0, "delta": {"type": "text_delta", "text": self.pending}},
-                    )
-                )
+                events.append(self._text_delta(self.pending))
             return events + self._close()
         return self._close()

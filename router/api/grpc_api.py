@@ -11,7 +11,7 @@ import grpc
 from pydantic import ValidationError
 from ray.serve.grpc_util import RayServegRPCContext
 
-from router.api.frontend import Choice, ChoiceDelta, Choices, EngineInput
+from router.api.frontend import Choice, ChoiceDelta, Choices, EngineInput, FrontEnd
 from router.api.protocol import ChatCompletionRequest, CompletionRequest, main_error
 from router.api.protos import kvserve_pb2 as pb
 from router.generation import APIError, Generation
@@ -130,32 +130,22 @@ def validation_message(e: ValidationError) -> str:
 
 
 class GrpcAPI:
-    """Mixed into the ingress deployment, whose `frontend` it uses; Serve's gRPC proxy
-    calls these methods by RPC name."""
+    """The RPCs over the front end. The ingress deployment (router/api/http.py) has a
+    method per RPC name, which Serve's gRPC proxy calls, and each calls one of these."""
 
-    async def ListModels(self, request: pb.ListModelsRequest, grpc_context: RayServegRPCContext):
+    def __init__(self, frontend: FrontEnd):
+        self.frontend = frontend
+
+    async def list_models(self, grpc_context: RayServegRPCContext) -> pb.ListModelsResponse:
         """The base model, then its LoRA adapters, which requests name as their model."""
-        if not self._grpc_authorized(grpc_context):
+        if not self._authorized(grpc_context):
             return pb.ListModelsResponse()
         names = [self.frontend.model_name] + [lora.lora_name for lora in await self.frontend.adapters.all()]
         return pb.ListModelsResponse(models=[pb.Model(id=name, owned_by="kvserve") for name in names])
 
-    async def Generate(self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext):
-        return await self._unary(request, grpc_context, chat=False)
-
-    async def Chat(self, request: pb.ChatRequest, grpc_context: RayServegRPCContext):
-        return await self._unary(request, grpc_context, chat=True)
-
-    async def GenerateStream(self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext):
-        async for response in self._stream(request, grpc_context, chat=False):
-            yield response
-
-    async def ChatStream(self, request: pb.ChatRequest, grpc_context: RayServegRPCContext):
-        async for response in self._stream(request, grpc_context, chat=True):
-            yield response
-
-    async def _unary(self, request, grpc_context: RayServegRPCContext, chat: bool) -> pb.GenerateResponse:
-        started = await self._grpc_start(request, grpc_context, chat)
+    async def unary(self, request, grpc_context: RayServegRPCContext, chat: bool) -> pb.GenerateResponse:
+        """Generate and Chat: the whole answer."""
+        started = await self._start(request, grpc_context, chat)
         if started is None:
             return pb.GenerateResponse()
         generation, choices = started
@@ -183,10 +173,11 @@ class GrpcAPI:
             ),
         )
 
-    async def _stream(self, request, grpc_context: RayServegRPCContext, chat: bool) -> AsyncIterator:
+    async def stream(self, request, grpc_context: RayServegRPCContext, chat: bool) -> AsyncIterator:
+        """GenerateStream and ChatStream: a response per chunk, usage on the last."""
         # A stream that merely ends ends with OK, whatever the context says; raising
         # after setting the code is what makes Serve's proxy send the status.
-        started = await self._grpc_start(request, grpc_context, chat)
+        started = await self._start(request, grpc_context, chat)
         if started is None:
             raise StreamError(grpc_context.details())
         generation, choices = started
@@ -206,11 +197,11 @@ class GrpcAPI:
         finally:  # also when the client cancels: the replica aborts the request
             generation.cancel()
 
-    async def _grpc_start(
+    async def _start(
         self, request, grpc_context: RayServegRPCContext, chat: bool
     ) -> tuple[Generation, Choices] | None:
         """The started generation, or None with the error status set on the context."""
-        if not self._grpc_authorized(grpc_context):
+        if not self._authorized(grpc_context):
             return None
         frontend = self.frontend
         try:
@@ -226,7 +217,7 @@ class GrpcAPI:
             _fail(grpc_context, e)
         return None
 
-    def _grpc_authorized(self, grpc_context: RayServegRPCContext) -> bool:
+    def _authorized(self, grpc_context: RayServegRPCContext) -> bool:
         metadata = dict(grpc_context.invocation_metadata())
         try:
             self.frontend.check_auth(metadata.get("authorization"))

@@ -1,26 +1,27 @@
-"""The OpenAI-compatible HTTP ingress: validate, apply the chat template, tokenize, and
-stream the replica's deltas back as JSON or server-sent events. The same deployment
-serves the gRPC API (router/api/grpc_api.py): Serve's gRPC proxy calls its methods."""
+"""The ingress deployment: the HTTP routes (OpenAI's, Anthropic's Messages, Responses,
+rerank, tokenize, LoRA adapters) over one front end, the generating ones answering
+through router/api/respond.py. The same deployment serves the gRPC API: Serve's gRPC
+proxy calls its methods named after the RPCs, which hand over to router/api/grpc_api.py."""
 
 import asyncio
 import json
 import logging
-import uuid
 
-from fastapi import Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
+from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 
 from replica.model_loader import is_hub_id, resolve_model
 from replica.versions import check_versions
 from router.api import anthropic, responses
+from router.api.auth import KEYED, KEYED_MESSAGES
 from router.api.body_limit import DEFAULT_MAX_REQUEST_BYTES
-from router.api.frontend import Choices, EngineInput, FrontEnd
+from router.api.frontend import Choices, FrontEnd
 from router.api.grpc_api import GrpcAPI
 from router.api.http_app import ERROR_400, ERROR_401, ERROR_404, GENERATION_RESPONSES, app
-from router.api.openai_format import CompletionFormatter, completion_events
+from router.api.openai_format import ChatRenderer, CompletionRenderer, batch_whole
 from router.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -30,9 +31,12 @@ from router.api.protocol import (
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
 )
+from router.api.protos import kvserve_pb2 as pb
 from router.api.rerank import RelevanceScorer, RerankRequest, ScoreRequest, rerank_response, score_response
+from router.api.respond import REPLICA_HEADER, collect, respond
 from router.api.response_store import ResponseStore
-from router.generation import DEFAULT_MAX_MIGRATIONS, APIError, Generation
+from router.api.responses_renderer import ResponsesRenderer
+from router.generation import DEFAULT_MAX_MIGRATIONS, APIError
 from router.lora_adapters import Adapters, LoRASettings
 from router.metrics import ServingMetrics
 from router.model_files import load_tokenizer, model_limits, sampling_defaults
@@ -42,13 +46,12 @@ from wire.messages import GenerateRequest, ReplicaReport
 from wire.sampling_params import SamplingParams
 
 logger = logging.getLogger("ray.serve")
-REPLICA_HEADER = "x-kvserve-replica"
 ERROR_404_ADAPTER = {"model": ErrorResponse, "description": "no such adapter"}
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)
 @serve.ingress(app)
-class OpenAIIngress(GrpcAPI):
+class OpenAIIngress:
     async def __init__(
         self,
         llm: DeploymentHandle,
@@ -110,6 +113,7 @@ class OpenAIIngress(GrpcAPI):
         self._warm_up = asyncio.get_running_loop().create_task(self._send_warm_up()) if warm_up else None
         self.response_store = ResponseStore()  # /v1/responses' store: this replica's, in memory
         self.scorer = RelevanceScorer(self.frontend)
+        self.grpc = GrpcAPI(self.frontend)
 
     async def _send_warm_up(self) -> None:
         """The first request through a fresh handle, router and replica connection pays
@@ -138,12 +142,11 @@ class OpenAIIngress(GrpcAPI):
         snapshot = await self._snapshot()
         return Response(self.metrics.exposition(snapshot), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", responses={401: ERROR_401})
-    async def models(self, request: Request) -> dict:
+    @app.get("/v1/models", responses={401: ERROR_401}, dependencies=KEYED)
+    async def models(self) -> dict:
         """The base model, then each LoRA adapter, whose parent is the base model (vLLM's
         cards). The base model's card also says, from a replica's report, what its weights
         are stored in and take, and its KV cache's dtype and capacity in tokens."""
-        self.frontend.check_auth(request.headers.get("authorization"))
         snapshot = await self._snapshot()
         base = {
             "id": self.model_name,
@@ -167,55 +170,50 @@ class OpenAIIngress(GrpcAPI):
         ]
         return {"object": "list", "data": [base, *adapters]}
 
-    @app.post("/v1/load_lora_adapter", responses={400: ERROR_400, 401: ERROR_401})
-    async def load_lora_adapter(self, body: LoadLoRAAdapterRequest, request: Request) -> PlainTextResponse:
+    @app.post("/v1/load_lora_adapter", responses={400: ERROR_400, 401: ERROR_401}, dependencies=KEYED)
+    async def load_lora_adapter(self, body: LoadLoRAAdapterRequest) -> PlainTextResponse:
         """vLLM's: checks the adapter's files against the base model (a bad adapter is a
         400 and never reaches a replica) and registers it; each replica loads it when a
         request for it first arrives there. The answer is vLLM's plain text."""
-        self.frontend.check_auth(request.headers.get("authorization"))
         await self.frontend.adapters.load(body.lora_name, body.lora_path)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     @app.post(
         "/v1/unload_lora_adapter",
         responses={400: ERROR_400, 401: ERROR_401, 404: ERROR_404_ADAPTER},
+        dependencies=KEYED,
     )
-    async def unload_lora_adapter(self, body: UnloadLoRAAdapterRequest, request: Request):
+    async def unload_lora_adapter(self, body: UnloadLoRAAdapterRequest):
         """vLLM's: requests naming the adapter are a 404 from now on; the replicas learn it
         from the coordinator's answer to their next report, and drop its weights."""
-        self.frontend.check_auth(request.headers.get("authorization"))
         await self.frontend.adapters.unload(body.lora_name)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
-    @app.post("/tokenize", responses={400: ERROR_400, 401: ERROR_401, 404: ERROR_404})
-    async def tokenize(self, body: TokenizeRequest, request: Request) -> dict:
+    @app.post("/tokenize", responses={400: ERROR_400, 401: ERROR_401, 404: ERROR_404}, dependencies=KEYED)
+    async def tokenize(self, body: TokenizeRequest) -> dict:
         """vLLM's /tokenize, which load generators call to count prompt tokens."""
-        self.frontend.check_auth(request.headers.get("authorization"))
         await self.frontend.resolve_model(body.model)  # an adapter tokenizes as its base model
         tokens = await self.frontend.in_tokenizer_thread(self._tokenize, body)
         max_model_len = self._context_window(await self._snapshot())
         return {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens}
 
-    @app.post("/detokenize", responses={400: ERROR_400, 401: ERROR_401, 404: ERROR_404})
-    async def detokenize(self, body: DetokenizeRequest, request: Request) -> dict:
-        self.frontend.check_auth(request.headers.get("authorization"))
+    @app.post("/detokenize", responses={400: ERROR_400, 401: ERROR_401, 404: ERROR_404}, dependencies=KEYED)
+    async def detokenize(self, body: DetokenizeRequest) -> dict:
         await self.frontend.resolve_model(body.model)
         self.frontend.check_token_ids(body.tokens, "tokens")
         return {"prompt": await self.frontend.in_tokenizer_thread(self.tokenizer.decode, body.tokens)}
 
-    @app.post("/v1/rerank", responses={400: ERROR_400, 401: ERROR_401, 404: ERROR_404})
-    async def rerank(self, body: RerankRequest, request: Request) -> dict:
+    @app.post("/v1/rerank", responses={400: ERROR_400, 401: ERROR_401, 404: ERROR_404}, dependencies=KEYED)
+    async def rerank(self, body: RerankRequest) -> dict:
         """Documents by relevance to the query (vLLM's, Jina's and Cohere's rerank)."""
-        self.frontend.check_auth(request.headers.get("authorization"))
         self.frontend.check_model(body.model)
         pairs = [(body.query, text) for text in body.texts()]
         scores, num_tokens = await self.scorer.score(pairs, body.relevance_prompt)
         return rerank_response(self.model_name, body, scores, num_tokens)
 
-    @app.post("/v1/score", responses={400: ERROR_400, 401: ERROR_401, 404: ERROR_404})
-    async def score(self, body: ScoreRequest, request: Request) -> dict:
+    @app.post("/v1/score", responses={400: ERROR_400, 401: ERROR_401, 404: ERROR_404}, dependencies=KEYED)
+    async def score(self, body: ScoreRequest) -> dict:
         """vLLM's /v1/score: the relevance of each text_2 to its text_1."""
-        self.frontend.check_auth(request.headers.get("authorization"))
         self.frontend.check_model(body.model)
         scores, num_tokens = await self.scorer.score(body.pairs(), body.relevance_prompt)
         return score_response(self.model_name, scores, num_tokens)
@@ -242,71 +240,53 @@ class OpenAIIngress(GrpcAPI):
         lengths = [report.max_model_len for report in snapshot.values()]
         return min(lengths) if lengths else self.config_max_len
 
-    @app.post("/v1/completions", responses=GENERATION_RESPONSES)
-    async def completions(self, body: CompletionRequest, request: Request):
-        self.frontend.check_auth(request.headers.get("authorization"))
+    @app.post("/v1/completions", responses=GENERATION_RESPONSES, dependencies=KEYED)
+    async def completions(self, body: CompletionRequest):
         if body.is_batch:
             return await self._complete_batch(body)
-        return await self._respond(body, await self.frontend.completion_input(body), chat=False)
+        engine_input = await self.frontend.completion_input(body)
+        model = self.frontend.response_model(engine_input)
+        renderer = CompletionRenderer(model, Choices(engine_input), body.stream_options)
+        return await respond(await self.frontend.start(engine_input), renderer, body.streaming)
 
     async def _complete_batch(self, body: CompletionRequest) -> JSONResponse:
-        """A batch of prompts (OpenAI's and vLLM's): one response, whose choices are the
-        prompts' in order, prompt i's n choices from index i * n, and usage summed. Each
-        prompt is a generation of its own, run side by side; batches are not streamed."""
+        """A batch of prompts (OpenAI's and vLLM's): one response, the prompts' answers
+        merged (openai_format.batch_whole). Each prompt is a generation of its own, run
+        side by side; batches are not streamed."""
         if body.streaming:
             raise APIError(400, "a batch of prompts cannot be streamed; send them one by one", "prompt")
         inputs = [await self.frontend.completion_input(one) for one in body.batch()]
+        model = self.frontend.response_model(inputs[0])  # one `model` for the whole batch
+        renderers = [CompletionRenderer(model, Choices(one)) for one in inputs]
         generations = []
-        try:
+        try:  # a failed start or generation ends the ones already started
             for engine_input in inputs:
                 generations.append(await self.frontend.start(engine_input))
-            model = self.frontend.response_model(inputs[0])  # one `model` for the whole batch
-            formatters = [CompletionFormatter("", model, False, Choices(one)) for one in inputs]
-
-            async def collect(generation: Generation, formatter: CompletionFormatter) -> dict:
-                async for chunk in generation.chunks():
-                    formatter.choices.add(chunk)
-                return formatter.whole()
-
-            wholes = await asyncio.gather(*map(collect, generations, formatters))
+            await asyncio.gather(*map(collect, generations, renderers))
         finally:
             for generation in generations:
                 generation.cancel()
-        choices = [choice for whole in wholes for choice in whole["choices"]]
-        for index, choice in enumerate(choices):
-            choice["index"] = index
-        usage = {key: sum(whole["usage"][key] for whole in wholes) for key in wholes[0]["usage"]}
-        body = {**wholes[0], "id": "cmpl-" + uuid.uuid4().hex, "choices": choices, "usage": usage}
-        return JSONResponse(body, headers={REPLICA_HEADER: generations[0].first.replica_id})
+        whole = batch_whole([await renderer.whole() for renderer in renderers])
+        return JSONResponse(whole, headers={REPLICA_HEADER: generations[0].first.replica_id})
 
-    @app.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
-    async def chat_completions(self, body: ChatCompletionRequest, request: Request):
-        self.frontend.check_auth(request.headers.get("authorization"))
-        return await self._respond(body, await self.frontend.chat_input(body), chat=True)
-
-    @app.post("/v1/messages", responses=anthropic.RESPONSES)
-    async def messages(self, body: anthropic.MessagesRequest, request: Request):
-        """Anthropic's Messages API, on the chat path (router/api/anthropic.py)."""
-        self.frontend.check_auth(request.headers.get("authorization"), request.headers.get("x-api-key"))
-        engine_input = await self.frontend.chat_input(anthropic.chat_request(body))
-        generation = await self.frontend.start(engine_input)
+    @app.post("/v1/chat/completions", responses=GENERATION_RESPONSES, dependencies=KEYED)
+    async def chat_completions(self, body: ChatCompletionRequest):
+        engine_input = await self.frontend.chat_input(body)
         model = self.frontend.response_model(engine_input)
-        reply = anthropic.Reply(model, Choices(engine_input), body.stop_sequences, self._decode)
-        headers = {REPLICA_HEADER: generation.first.replica_id}
-        if body.stream:
-            events = reply.events(generation)
-            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-        try:
-            async for chunk in generation.chunks():
-                reply.choices.add(chunk)
-        finally:
-            generation.cancel()
-        return JSONResponse(await reply.message(), headers=headers)
+        renderer = ChatRenderer(model, Choices(engine_input), body.stream_options)
+        return await respond(await self.frontend.start(engine_input), renderer, body.streaming)
 
-    @app.post("/v1/messages/count_tokens", responses=anthropic.RESPONSES)
-    async def count_message_tokens(self, body: anthropic.CountTokensRequest, request: Request) -> dict:
+    @app.post("/v1/messages", responses=anthropic.RESPONSES, dependencies=KEYED_MESSAGES)
+    async def messages(self, body: anthropic.MessagesRequest):
+        """Anthropic's Messages API, on the chat path (router/api/anthropic.py)."""
+        engine_input = await self.frontend.chat_input(anthropic.chat_request(body))
+        model = self.frontend.response_model(engine_input)
+        renderer = anthropic.MessagesRenderer(model, Choices(engine_input), body.stop_sequences, self._decode)
+        return await respond(await self.frontend.start(engine_input), renderer, bool(body.stream))
+
+    @app.post("/v1/messages/count_tokens", responses=anthropic.RESPONSES, dependencies=KEYED_MESSAGES)
+    async def count_message_tokens(self, body: anthropic.CountTokensRequest) -> dict:
         """The prompt's tokens as /v1/messages renders it, tools included."""
-        self.frontend.check_auth(request.headers.get("authorization"), request.headers.get("x-api-key"))
         engine_input = await self.frontend.chat_input(anthropic.chat_request(body))
         return {"input_tokens": len(engine_input.request.prompt)}
 
@@ -315,48 +295,38 @@ class OpenAIIngress(GrpcAPI):
             lambda: self.tokenizer.decode(token_ids, skip_special_tokens=True)
         )
 
-    async def _respond(self, body, engine_input: EngineInput, chat: bool):
-        generation = await self.frontend.start(engine_input)
-        response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        model = self.frontend.response_model(engine_input)
-        formatter = CompletionFormatter(response_id, model, chat, Choices(engine_input))
-        # Which replica serves the request, for operators and for bench/serving.py's split.
-        headers = {REPLICA_HEADER: generation.first.replica_id}
-        if body.streaming:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(
-                completion_events(formatter, generation, include_usage),
-                media_type="text/event-stream",
-                headers=headers,
-            )
-        try:
-            async for chunk in generation.chunks():
-                formatter.choices.add(chunk)
-        finally:
-            generation.cancel()
-        return JSONResponse(formatter.whole(), headers=headers)
-
-    @app.post("/v1/responses", responses=GENERATION_RESPONSES)
-    async def create_response(self, body: responses.ResponsesRequest, request: Request):
+    @app.post("/v1/responses", responses=GENERATION_RESPONSES, dependencies=KEYED)
+    async def create_response(self, body: responses.ResponsesRequest):
         """OpenAI's Responses API, run as a chat request (router/api/responses.py)."""
-        self.frontend.check_auth(request.headers.get("authorization"))
         turn = responses.prepare(body, self.response_store)
         engine_input = await self.frontend.chat_input(turn.chat)
-        generation = await self.frontend.start(engine_input)
         model = self.frontend.response_model(engine_input)
-        builder = responses.ResponseBuilder(turn, model, Choices(engine_input))
-        headers = {REPLICA_HEADER: generation.first.replica_id}
-        if body.stream:
-            events = responses.sse(builder, generation, self.response_store)
-            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-        whole = await responses.collect(builder, generation, self.response_store)
-        return JSONResponse(whole, headers=headers)
+        renderer = ResponsesRenderer(turn, model, Choices(engine_input), self.response_store)
+        return await respond(await self.frontend.start(engine_input), renderer, bool(body.stream))
 
     @app.get(
         "/v1/responses/{response_id}",
         responses={401: ERROR_401, 404: {"model": ErrorResponse, "description": "no such stored response"}},
+        dependencies=KEYED,
     )
-    async def get_response(self, response_id: str, request: Request) -> dict:
+    async def get_response(self, response_id: str) -> dict:
         """A stored response, while this ingress replica keeps it (router/api/response_store.py)."""
-        self.frontend.check_auth(request.headers.get("authorization"))
         return responses.stored(self.response_store, response_id)
+
+    # gRPC (router/api/grpc_api.py): Serve's gRPC proxy calls the deployment's methods by RPC name.
+    async def ListModels(self, request: pb.ListModelsRequest, grpc_context: RayServegRPCContext):
+        return await self.grpc.list_models(grpc_context)
+
+    async def Generate(self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext):
+        return await self.grpc.unary(request, grpc_context, chat=False)
+
+    async def Chat(self, request: pb.ChatRequest, grpc_context: RayServegRPCContext):
+        return await self.grpc.unary(request, grpc_context, chat=True)
+
+    async def GenerateStream(self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext):
+        async for response in self.grpc.stream(request, grpc_context, chat=False):
+            yield response
+
+    async def ChatStream(self, request: pb.ChatRequest, grpc_context: RayServegRPCContext):
+        async for response in self.grpc.stream(request, grpc_context, chat=True):
+            yield response

@@ -1,81 +1,62 @@
-"""OpenAI's completion and chat completion objects, whole or as server-sent events,
-rendered from the front end's choices (router/api/frontend.py)."""
+"""OpenAI's completion and chat completion objects, whole or as stream chunks, rendered
+from the front end's choices (router/api/frontend.py): the OpenAI renderers behind
+router/api/respond.py."""
 
 import itertools
-import json
 import time
-from collections.abc import AsyncIterator
+import uuid
 
-from router.api.frontend import ChoiceDelta, Choices, vllm_prompt_logprobs
-from router.generation import APIError, Generation
-from wire.messages import LogprobEntry
+from router.api.frontend import Choice, ChoiceDelta, Choices, vllm_prompt_logprobs
+from router.api.protocol import StreamOptions
+from router.generation import APIError
+from wire.messages import LogprobEntry, StreamChunk
 
 
-class CompletionFormatter:
-    """Renders the front end's choices as OpenAI completion / chat objects."""
+class CompletionRenderer:
+    """/v1/completions' text_completion objects, whole or as stream chunks; ChatRenderer
+    puts messages where these put text."""
 
-    def __init__(self, response_id: str, model: str, chat: bool, choices: Choices):
-        self.id, self.model, self.chat, self.choices = response_id, model, chat, choices
+    named_events = False
+    ends_with_done = True
+    id_prefix = "cmpl-"
+    whole_object = chunk_object = "text_completion"
+    delta_field = "text"  # what a stream chunk's choice carries
+
+    def __init__(self, model: str, choices: Choices, stream_options: StreamOptions | None = None):
+        self.id = self.id_prefix + uuid.uuid4().hex
+        self.model, self.choices = model, choices
+        self.include_usage = bool(stream_options and stream_options.include_usage)
         self.created = int(time.time())
 
-    def chunk(self, index: int, delta, finish_reason, logprobs) -> dict:
-        choice = {"index": index, "finish_reason": finish_reason, "logprobs": logprobs}
-        if self.chat:
-            choice["delta"] = delta or {}
-        else:
-            choice["text"] = delta or ""
-        kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return {
-            "id": self.id,
-            "object": kind,
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-        }
+    def add(self, chunk: StreamChunk) -> None:
+        self.choices.add(chunk)
 
-    def delta(self, d: ChoiceDelta) -> dict:
-        if self.chat:
-            content = {"content": d.text}
-            if d.calls:
-                content["tool_calls"] = [
-                    call.openai(i) for i, call in enumerate(d.calls, self._calls_before(d))
-                ]
-        else:
-            content = d.text
+    def opening(self) -> list[dict]:
+        return []
+
+    def feed(self, chunk: StreamChunk) -> list[dict]:
+        d = self.choices.add(chunk)
         start = len(self.choices.samples[d.index].text) - len(d.text)  # the delta's text offset
-        chunk = self.chunk(d.index, content, d.finish_reason, self._logprobs(d.logprobs, start))
+        body = self._chunk(d.index, self._delta(d), d.finish_reason, self._logprobs(d.logprobs, start))
         if d.prompt_logprobs is not None:
-            self._add_prompt_logprobs(chunk, chunk["choices"][0], d.prompt_logprobs)
-        return chunk
+            self._add_prompt_logprobs(body, body["choices"][0], d.prompt_logprobs)
+        return [body]
 
-    def _add_prompt_logprobs(self, body: dict, choice: dict, entries: list[LogprobEntry | None]) -> None:
-        """vLLM's places: on each completion choice; on a chat response, at its top level."""
-        (body if self.chat else choice)["prompt_logprobs"] = vllm_prompt_logprobs(entries)
+    def fail(self, error: APIError) -> list[dict]:
+        """OpenAI's error shape, as an event; [DONE] follows."""
+        body = {"message": error.message, "type": error.kind, "param": error.param, "code": error.status}
+        return [{"error": body}]
 
-    def _calls_before(self, d: ChoiceDelta) -> int:
-        return len(self.choices.samples[d.index].calls) - len(d.calls)
+    async def closing(self) -> list[dict]:
+        if not self.include_usage:
+            return []
+        return [{**self._chunk(0, None, None, None), "choices": [], "usage": self.choices.usage()}]
 
-    def whole(self) -> dict:
-        choices = []
-        for c in self.choices.result():
-            choice = {
-                "index": c.index,
-                "finish_reason": c.finish_reason,
-                "logprobs": self._logprobs(c.logprobs),
-            }
-            if self.chat:
-                choice["message"] = {
-                    "role": "assistant",
-                    "content": c.text if c.text or not c.calls else None,
-                }
-                if c.calls:
-                    choice["message"]["tool_calls"] = [call.openai() for call in c.calls]
-            else:
-                choice["text"] = c.text
-            choices.append(choice)
+    async def whole(self) -> dict:
+        choices = [self._whole_choice(c) for c in self.choices.result()]
         body = {
             "id": self.id,
-            "object": "chat.completion" if self.chat else "text_completion",
+            "object": self.whole_object,
             "created": self.created,
             "model": self.model,
             "choices": choices,
@@ -86,23 +67,40 @@ class CompletionFormatter:
                 self._add_prompt_logprobs(body, choice, self.choices.prompt_logprobs)
         return body
 
+    def _chunk(self, index: int, delta, finish_reason: str | None, logprobs: dict | None) -> dict:
+        choice = {
+            "index": index,
+            "finish_reason": finish_reason,
+            "logprobs": logprobs,
+            self.delta_field: delta,
+        }
+        return {
+            "id": self.id,
+            "object": self.chunk_object,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
+
+    def _delta(self, d: ChoiceDelta) -> str | dict:
+        return d.text
+
+    def _whole_choice(self, c: Choice) -> dict:
+        return {
+            "index": c.index,
+            "finish_reason": c.finish_reason,
+            "logprobs": self._logprobs(c.logprobs),
+            "text": c.text,
+        }
+
+    def _add_prompt_logprobs(self, body: dict, choice: dict, entries: list[LogprobEntry | None]) -> None:
+        """vLLM's place on a completion: each choice."""
+        choice["prompt_logprobs"] = vllm_prompt_logprobs(entries)
+
     def _logprobs(self, entries: list[LogprobEntry] | None, start: int = 0) -> dict | None:
         """start: the text offset of the entries' first token in the choice's text."""
         if entries is None:
             return None
-        if self.chat:
-            content = [
-                {
-                    "token": e.token,
-                    "logprob": e.logprob,
-                    "bytes": None,
-                    "top_logprobs": [
-                        {"token": t.token, "logprob": t.logprob, "bytes": None} for t in e.top_logprobs
-                    ],
-                }
-                for e in entries
-            ]
-            return {"content": content}
         # Echoed prompts lead with their first token, which has no logprob (None, as OpenAI).
         tokens = [e.token for e in entries]
         return {
@@ -116,34 +114,66 @@ class CompletionFormatter:
         }
 
 
-async def completion_events(
-    formatter: CompletionFormatter, generation: Generation, include_usage: bool
-) -> AsyncIterator[str]:
-    """Server-sent events; closing early (client gone) cancels the replica stream. The
-    status line is long gone when a replica fails mid-stream, so the failure arrives as
-    an error event in OpenAI's error shape, then [DONE]."""
-    try:
-        if formatter.chat:
-            for index in range(formatter.choices.input.choices):
-                yield _event(formatter.chunk(index, {"role": "assistant", "content": ""}, None, None))
-        try:
-            async for chunk in generation.chunks():
-                yield _event(formatter.delta(formatter.choices.add(chunk)))
-        except APIError as e:
-            yield _event(
-                {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.status}}
-            )
-        else:
-            if include_usage:
-                usage = formatter.choices.usage()
-                yield _event({**formatter.chunk(0, None, None, None), "choices": [], "usage": usage})
-        yield "data: [DONE]\n\n"
-    finally:
-        generation.cancel()
+class ChatRenderer(CompletionRenderer):
+    """/v1/chat/completions' chat.completion objects: assistant messages, with tool calls."""
+
+    id_prefix = "chatcmpl-"
+    whole_object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+    delta_field = "delta"
+
+    def opening(self) -> list[dict]:
+        """Each choice's role comes first, as OpenAI sends it."""
+        role = {"role": "assistant", "content": ""}
+        return [self._chunk(index, role, None, None) for index in range(self.choices.input.choices)]
+
+    def _delta(self, d: ChoiceDelta) -> dict:
+        content = {"content": d.text}
+        if d.calls:
+            before = len(self.choices.samples[d.index].calls) - len(d.calls)
+            content["tool_calls"] = [call.openai(i) for i, call in enumerate(d.calls, before)]
+        return content
+
+    def _whole_choice(self, c: Choice) -> dict:
+        message = {"role": "assistant", "content": c.text if c.text or not c.calls else None}
+        if c.calls:
+            message["tool_calls"] = [call.openai() for call in c.calls]
+        return {
+            "index": c.index,
+            "finish_reason": c.finish_reason,
+            "logprobs": self._logprobs(c.logprobs),
+            "message": message,
+        }
+
+    def _add_prompt_logprobs(self, body: dict, choice: dict, entries: list[LogprobEntry | None]) -> None:
+        """vLLM's place on a chat response: its top level."""
+        body["prompt_logprobs"] = vllm_prompt_logprobs(entries)
+
+    def _logprobs(self, entries: list[LogprobEntry] | None, start: int = 0) -> dict | None:
+        if entries is None:
+            return None
+        content = [
+            {
+                "token": e.token,
+                "logprob": e.logprob,
+                "bytes": None,
+                "top_logprobs": [
+                    {"token": t.token, "logprob": t.logprob, "bytes": None} for t in e.top_logprobs
+                ],
+            }
+            for e in entries
+        ]
+        return {"content": content}
 
 
-def _event(payload: dict) -> str:
-    return f"data: {json.dumps(payload)}\n\n"
+def batch_whole(wholes: list[dict]) -> dict:
+    """One completion for a batch of prompts (OpenAI's and vLLM's): the prompts' choices
+    in order, prompt i's n choices from index i * n, and usage summed."""
+    choices = [choice for whole in wholes for choice in whole["choices"]]
+    for index, choice in enumerate(choices):
+        choice["index"] = index
+    usage = {key: sum(whole["usage"][key] for whole in wholes) for key in wholes[0]["usage"]}
+    return {**wholes[0], "choices": choices, "usage": usage}
 
 
 def _text_offsets(tokens: list[str], start: int) -> list[int]:
