@@ -1,6 +1,7 @@
 """What a new user meets on the embedded default, with no flags: tool calls work (the
-bundled model's default chat template renders tools), and a request without a model
-(proto3's empty string over gRPC, an absent field over HTTP) means the served one."""
+bundled model's default chat template renders tools), a request without a model
+(proto3's empty string over gRPC, an absent field over HTTP) means the served one, and
+unset sampling fields take the model card's recommendation."""
 
 import json
 
@@ -12,9 +13,10 @@ from conftest import AGENT_APP, SERVE_GRPC_PORT
 from transformers import AutoTokenizer
 
 from replica.chat_template import BUNDLED_CHAT_TEMPLATE, chat_prompt_ids, load_chat_template
-from replica.model_loader import bundled_tokenizer_path
+from replica.model_loader import bundled_tokenizer_path, resolve_model
 from router.api.protos import kvserve_pb2 as pb
 from router.api.protos import kvserve_pb2_grpc as pb_grpc
+from router.model_files import sampling_defaults
 
 MODEL = "SmolLM2-135M-Instruct"
 ADD = {
@@ -93,3 +95,17 @@ def test_an_absent_model_means_the_served_one(agent_app):
         with pytest.raises(grpc.RpcError) as e:
             stub.Generate(pb.GenerateRequest(model="other", prompt="x", params=params), metadata=meta)
         assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_unset_sampling_takes_the_model_cards_defaults(agent_app):
+    """The bundled model's generation_config.json carries its model card's sampling; a
+    request that sets neither field runs with it, one that sets them with its own. The
+    Responses object reports the values the request ran with."""
+    assert sampling_defaults(resolve_model(None)) == {"temperature": 0.2, "top_p": 0.9}
+    client = openai.OpenAI(base_url=f"{agent_app}/v1", api_key="unused", max_retries=0)
+    unset = client.responses.create(model=MODEL, input="Hi!", max_output_tokens=4, store=False)
+    assert (unset.temperature, unset.top_p) == (0.2, 0.9)
+    own = client.responses.create(
+        model=MODEL, input="Hi!", max_output_tokens=4, store=False, temperature=1.0, top_p=0.5
+    )
+    assert (own.temperature, own.top_p) == (1.0, 0.5)

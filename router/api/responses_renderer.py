@@ -100,8 +100,9 @@ class ResponsesRenderer:
             "usage": usage,
             "instructions": body.instructions,
             "max_output_tokens": body.max_output_tokens,
-            "temperature": 1.0 if body.temperature is None else body.temperature,
-            "top_p": 1.0 if body.top_p is None else body.top_p,
+            # What the request runs with: its own values, else the model's defaults.
+            "temperature": self.choices.input.request.sampling.temperature,
+            "top_p": self.choices.input.request.sampling.top_p,
             "tools": self.turn.tools,
             "tool_choice": choice or "auto",
             "text": {"format": text_format},
