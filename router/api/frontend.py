@@ -2,8 +2,8 @@
 an OpenAI request into engine input (template, tokens, validated SamplingParams), and
 turning the replica's stream back into choices (n samples, best_of, echo, tool calls).
 
-The adapters only move bytes: router/api/http.py renders choices as OpenAI JSON and
-server-sent events, router/api/grpc_api.py as protobuf messages."""
+The adapters only move bytes: router/api/respond.py streams choices through each API's
+renderer as JSON or server-sent events, router/api/grpc_api.py as protobuf messages."""
 
 import asyncio
 import dataclasses
