@@ -21,22 +21,22 @@ lint: setup
 
 bench: setup
 	bash bench/setup_vllm.sh
-	HF_HUB_OFFLINE=1 $(VENV)/bin/python bench/offline.py
+	HF_HUB_OFFLINE=1 $(VENV)/bin/python -m bench.offline
 
 bench-serving: setup
-	HF_HUB_OFFLINE=1 $(VENV)/bin/python bench/serving.py
+	HF_HUB_OFFLINE=1 $(VENV)/bin/python -m bench.serving
 
 bench-serving-peers: setup
 	bash bench/setup_vllm.sh
-	HF_HUB_OFFLINE=1 $(VENV)/bin/python bench/serving_peers.py
+	HF_HUB_OFFLINE=1 $(VENV)/bin/python -m bench.serving_peers
 
 bench-soak: setup
-	HF_HUB_OFFLINE=1 $(VENV)/bin/python bench/soak.py
+	HF_HUB_OFFLINE=1 $(VENV)/bin/python -m bench.soak
 
 # lm-eval's loglikelihood path against `kvserve serve`, checked against HF fp32. lm-eval is
 # no kvserve dependency: `$(VENV)/bin/pip install lm_eval torch==2.13.0` first.
 bench-lm-eval: setup
-	HF_HUB_OFFLINE=1 $(VENV)/bin/python bench/lm_eval_loglikelihood.py
+	HF_HUB_OFFLINE=1 $(VENV)/bin/python -m bench.lm_eval_loglikelihood
 
 # The GPU kit (README "Running on a GPU"): .whl/ and .device/ for the GPU machine, then
 # the GPU run rehearsed on this CPU in a venv of the GPU image's versions (about 6 minutes

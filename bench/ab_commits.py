@@ -1,28 +1,31 @@
-"""kvserve at two commits, side by side on bench/offline.py's workloads.
+"""kvserve at two commits, side by side on the offline benchmark's workloads.
 
 For a change that must not cost speed (structured outputs, say, must not slow requests
-that use none): each commit is checked out in a git worktree, and the two run
-`bench/offline.py --systems kvserve_continuous` in turns, round after round, so that
-machine noise falls on both. The result is each workload's output tok/s per commit
+that use none): each commit is checked out in a git worktree, and each tree's own
+offline benchmark runs `--systems kvserve_continuous` in turns, round after round, so
+that machine noise falls on both. The result is each workload's output tok/s per commit
 (median over the rounds) and their ratio.
 
-    python bench/ab_commits.py --base 12a6ff2 --rounds 3
+A tree runs its benchmark the way it was written to run: as a module
+(`python -m bench.offline`) where bench/ is a package, else as a file
+(`python bench/offline.py`), as every commit before bench/ became one does.
+
+    python -m bench.ab_commits --base 12a6ff2 --rounds 3
+    python -m bench.ab_commits --base 639e6c0 --smoke    # tiny workloads, one round, to the temp dir
 """
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
-sys.path.insert(0, str(ROOT))
+from bench.machine import ROOT, machine, write_result
 
-from bench.machine import machine  # noqa: E402
+# Small enough for a smoke run, and arguments that every tree's offline benchmark takes.
+SMOKE_ARGS = "--mixed-requests 8 --mixed-cap 16 --batch-size 8 --max-num-batched-tokens 256"
 
 
 def worktree(commit: str, where: Path) -> Path:
@@ -30,39 +33,30 @@ def worktree(commit: str, where: Path) -> Path:
     return where
 
 
-# Runs a script with the current directory's kvserve: .venv's editable install of this
-# checkout would otherwise win over PYTHONPATH, through its import hook.
-LAUNCH = """
-import runpy, sys
-sys.meta_path[:] = [f for f in sys.meta_path if not type(f).__module__.startswith("__editable__")]
-sys.path.insert(0, ".")
-sys.argv = sys.argv[1:]
-if sys.argv[0] == "--where":
-    import replica
-    print(replica.__file__)
-else:
-    runpy.run_path(sys.argv[0], run_name="__main__")
-"""
+def offline_command(tree: Path) -> list[str]:
+    """How `tree` runs its offline benchmark. Run from the tree's root, either form imports
+    the tree's own packages: they come first on sys.path, before the editable install's
+    finder, which Python consults last."""
+    if (tree / "bench" / "__init__.py").exists():
+        return [sys.executable, "-m", "bench.offline"]
+    return [sys.executable, "bench/offline.py"]
 
 
 def run_offline(
     tree: Path, workloads: list[str], threads: int, out: Path, more: list[str] = ()
 ) -> dict[str, float]:
-    """Output tok/s per case of one offline.py run of kvserve_continuous in `tree`."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    """Output tok/s per case of one offline run of kvserve_continuous in `tree`."""
     where = subprocess.run(
-        [sys.executable, "-c", LAUNCH, "--where"],
+        [sys.executable, "-c", "import replica; print(replica.__file__)"],
         cwd=tree,
-        env=env,
         check=True,
         capture_output=True,
         text=True,
     ).stdout
     assert where.startswith(str(tree)), f"kvserve came from {where}, not {tree}"
-    command = [sys.executable, "-c", LAUNCH, "bench/offline.py", "--systems", "kvserve_continuous"]
-    command += ["--workloads", *workloads, "--threads", str(threads), "--repeats", "1", "--out", str(out)]
-    command += list(more)
-    subprocess.run(command, cwd=tree, env=env, check=True)
+    command = [*offline_command(tree), "--systems", "kvserve_continuous", "--workloads", *workloads]
+    command += ["--threads", str(threads), "--repeats", "1", "--out", str(out), *more]
+    subprocess.run(command, cwd=tree, check=True)
     result = json.loads(out.read_text())
     return {r["case"]: r["systems"]["kvserve_continuous"]["output_tokens_per_s"] for r in result["results"]}
 
@@ -75,14 +69,22 @@ def main() -> None:
     parser.add_argument("--head", default="HEAD")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workloads", nargs="+", default=["anyscale", "mixed"])
-    parser.add_argument("--threads", type=int, default=2, help="offline.py's torch threads")
-    parser.add_argument("--out", type=Path, default=RESULTS / "ab_commits_cpu.json")
+    parser.add_argument("--threads", type=int, default=2, help="the offline benchmark's torch threads")
     parser.add_argument(
         "--offline-args",
         default="",
-        help='more bench/offline.py arguments for both commits, e.g. "--dtype float32 --caps 32"',
+        help='more offline benchmark arguments for both commits, e.g. "--dtype float32 --caps 32"',
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, help="default: bench/results/ab_commits_<machine>.json"
+    )
+    parser.add_argument(
+        "--smoke", action="store_true", help="the mixed workload, tiny, once; to the temp dir"
     )
     args = parser.parse_args()
+    if args.smoke:
+        args.rounds, args.workloads = 1, ["mixed"]
+        args.offline_args = f"{SMOKE_ARGS} {args.offline_args}"
     commits = {
         name: subprocess.run(
             ["git", "-C", str(ROOT), "rev-parse", "--short", ref], check=True, capture_output=True, text=True
@@ -96,14 +98,9 @@ def main() -> None:
             for round_ in range(args.rounds):
                 order = ("base", "head") if round_ % 2 == 0 else ("head", "base")
                 for name in order:
+                    out = Path(tmp) / f"{name}.json"
                     runs[name].append(
-                        run_offline(
-                            trees[name],
-                            args.workloads,
-                            args.threads,
-                            Path(tmp) / f"{name}.json",
-                            args.offline_args.split(),
-                        )
+                        run_offline(trees[name], args.workloads, args.threads, out, args.offline_args.split())
                     )
                     print(name, round_, runs[name][-1], flush=True)
         finally:
@@ -123,15 +120,13 @@ def main() -> None:
             "head_over_base": head / base,
         }
     result = {
-        "benchmark": "bench/ab_commits.py: kvserve_continuous of bench/offline.py at two commits, in turns",
+        "what": "kvserve_continuous of each commit's own offline benchmark, the commits in turns",
         "commits": commits,
-        "rounds": args.rounds,
-        "offline_args": args.offline_args,
-        "machine": machine(threads=args.threads),
         "cases": cases,
     }
-    args.out.write_text(json.dumps(result, indent=2))
+    path = write_result("ab_commits", args, result, machine(threads=args.threads), args.out, args.smoke)
     print(json.dumps({c: round(v["head_over_base"], 3) for c, v in cases.items()}, indent=2))
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """kvserve's CPU paged attention (replica/cpu/attention*.c) at two commits, in turns in one
 process, on the bundled model's attention shapes over 30 layers' caches.
 
-For a kernel change too small to show through bench/ab_commits.py's whole workloads
+For a kernel change too small to show through bench.ab_commits's whole workloads
 (a step is mostly GEMM): the base commit's C sources are built beside this checkout's,
 and the two run the same calls in turns, so that machine noise falls on both. Cases:
 - prefill: fresh prompts (nothing cached), rotary embedding on, as a prefill step runs;
@@ -11,31 +11,25 @@ It reports each build's median and best time per 30 layers, their ratios, and wh
 the two wrote the same outputs and KV caches bit for bit. Both commits must declare the
 same C ABI (replica/cpu/kvserve_abi.h), since one set of Python bindings calls both.
 
-    python bench/attention_ab.py --base a816bf1 --name store_outputs_one_pass
+    python -m bench.attention_ab --base a816bf1 --name store_outputs_one_pass
 """
 
 import argparse
 import contextlib
 import ctypes
-import json
 import random
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
+from bench.machine import ROOT, machine, write_result
+from replica.attention.metadata import build_metadata
+from replica.cpu import build, ops
 
-from bench.machine import machine  # noqa: E402
-from replica.attention.metadata import build_metadata  # noqa: E402
-from replica.cpu import build, ops  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results"
 LAYERS, NUM_BLOCKS, KV_HEADS, HEADS, HEAD_DIM = 30, 1400, 3, 9, 64  # SmolLM2-135M
 
 
@@ -151,7 +145,10 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--base", required=True, help="commit whose C kernels are the baseline")
-    parser.add_argument("--name", required=True, help="names the result file")
+    parser.add_argument("--name", default=None, help="what the head changes, recorded in the result")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="default: bench/results/attention_ab_<machine>.json"
+    )
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--sequences", type=int, default=64)
@@ -192,14 +189,9 @@ def main() -> None:
     out = {
         "what": "CPU paged attention, two commits' C kernels in turns in one process, 30 layers per timing",
         "commits": list(libs),
-        "machine": machine(threads=args.threads),
-        "args": vars(args),
         "cases": report,
     }
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"ab_cpu_attention_{args.name}.json"
-    path.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {path}")
+    print(f"wrote {write_result('attention_ab', args, out, machine(threads=args.threads), args.out)}")
 
 
 if __name__ == "__main__":

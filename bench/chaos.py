@@ -9,37 +9,30 @@ the component answered again: the requests in flight through it die with it, and
 connections are refused until it is back), blocks free at the end, and recovery time
 after each kill.
 
-    python bench/chaos.py                    # -> bench/results/chaos_cpu.json
-    python bench/chaos.py --duration 30      # shorter
+    python -m bench.chaos                    # -> bench/results/chaos_<machine>.json
+    python -m bench.chaos --duration 30      # shorter
 
 tests/test_chaos.py runs a short version in CI through `run_chaos`.
 """
 
 import argparse
-import contextlib
 import json
-import os
 import random
 import re
-import sys
 import threading
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import httpx
+import openai
+import ray
 
-import httpx  # noqa: E402
-import openai  # noqa: E402
-import ray  # noqa: E402
-from ray import serve  # noqa: E402
-
-from bench.machine import machine  # noqa: E402
-from deployments.app import build_app  # noqa: E402
-from router.placement.coordinator import coordinator_address  # noqa: E402
-from wire.messages import ReplicaReport  # noqa: E402
+from bench.machine import machine, write_result
+from bench.serve_apps import coordinator, deploy, local_serve, undeploy
+from bench.serve_apps import snapshot as reports
+from wire.messages import ReplicaReport
 
 MODEL = "chaos-model"
 PROMPTS = [f"Request {i}: tell me about the sea and the ships on it." for i in range(32)]
@@ -87,9 +80,9 @@ class ChaosReport:
 
 
 def snapshot(app: str) -> dict[str, ReplicaReport]:
-    namespace, name = coordinator_address(app)
+    """The replicas' reports; none while the coordinator is down (killed, or coming back)."""
     try:
-        return ray.get(ray.get_actor(name, namespace=namespace).snapshot.remote(), timeout=5)
+        return reports(app, timeout_s=5)
     except Exception:
         return {}
 
@@ -184,8 +177,7 @@ def _kill(app: str, target: str, replicas: int, base_url: str, recover_s: float,
             return len(now) == replicas and victim not in now
 
     elif target == "coordinator":
-        namespace, name = coordinator_address(app)
-        ray.kill(ray.get_actor(name, namespace=namespace))
+        ray.kill(coordinator(app))
 
         def back() -> bool:
             return len(snapshot(app)) == replicas
@@ -232,7 +224,7 @@ def run_chaos(
         "replicas": replicas,
         "engine_args": engine_args or {},
     }
-    serve.run(build_app(config), name=app, route_prefix=f"/{app}")
+    deploy(config, route_prefix=f"/{app}")
     base_url = f"http://127.0.0.1:{http_port}/{app}"
     report = ChaosReport(duration_s, replicas, clients, max_tokens)
     try:
@@ -293,10 +285,7 @@ def run_chaos(
 
         report.blocks_free_at_end = _wait(all_free, 30) is not None
     finally:
-        serve.delete(app)
-        namespace, name = coordinator_address(app)
-        with contextlib.suppress(ValueError):  # already gone
-            ray.kill(ray.get_actor(name, namespace=namespace))
+        undeploy(app)
     return report
 
 
@@ -309,32 +298,23 @@ def main() -> None:
     parser.add_argument("--kill-every", type=float, default=8.0)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "chaos_cpu.json"))
+    parser.add_argument("--out", type=Path, default=None, help="default: bench/results/chaos_<machine>.json")
     args = parser.parse_args()
     port = 18531
-    ray.init(num_cpus=2, include_dashboard=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    report = run_chaos(
-        None,
-        port,
-        replicas=args.replicas,
-        clients=args.clients,
-        duration_s=args.duration,
-        kill_every_s=args.kill_every,
-        max_tokens=args.max_tokens,
-        engine_args={"dtype": args.dtype},
-    )
-    serve.shutdown()
-    ray.shutdown()
-    result = {
-        "bench": "chaos",
-        "machine": machine(ray=ray.__version__),
-        "single_run": True,
-        **asdict(report),
-        "max_recovery_s": report.max_recovery_s,
-    }
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    with local_serve(port, log_to_driver=True):
+        report = run_chaos(
+            None,
+            port,
+            replicas=args.replicas,
+            clients=args.clients,
+            duration_s=args.duration,
+            kill_every_s=args.kill_every,
+            max_tokens=args.max_tokens,
+            engine_args={"dtype": args.dtype},
+        )
+    result = {"single_run": True, **asdict(report), "max_recovery_s": report.max_recovery_s}
     print(json.dumps(result, indent=2))
+    print(f"wrote {write_result('chaos', args, result, machine(ray=ray.__version__), args.out)}")
 
 
 if __name__ == "__main__":

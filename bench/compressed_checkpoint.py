@@ -5,16 +5,11 @@ scales from each row's min and max (llm-compressor's default observer), lm_head 
 float as llm-compressor's recipes leave it. tests/test_quantized_checkpoints.py makes
 its checkpoints with it, and so do the benchmarks' peer runs.
 
-    python bench/compressed_checkpoint.py --out /tmp/smollm2-w8a8   # the bundled model
+    python -m bench.compressed_checkpoint --out /tmp/smollm2-w8a8   # the bundled model
 """
 
 import argparse
-import os
-import sys
 from pathlib import Path
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def save_compressed(model, directory, tokenizer, scheme: str = "W8A8", ignore=("lm_head",)) -> dict:

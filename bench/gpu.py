@@ -1,16 +1,15 @@
 """GPU benchmark (H100/H200): the numbers the GPU path is held to, in one short run.
 
-Model: random weights (seeded) with Llama-3.2-1B's shape in bf16, saved to a temp dir with
-the bundled tokenizer. Its vocab is smaller than the model's, so prompts are token ids and
-out-of-vocab output ids just decode to nothing.
+Model: random weights with Llama-3.2-1B's shape in bf16 (bench/random_model.py).
 
 a. Throughput on the Anyscale workload: 512-token random prompts, output lengths drawn
    from an exponential with mean 128, capped at 32/128/512/1536, EOS ignored. kvserve
    (auto backend, CUDA graphs) vs HF static `generate` (fixed batches; all prompts have one
    length, so no padding; a batch runs until its longest request, min_new_tokens =
    max_new_tokens) vs transformers' continuous batching (the manager behind
-   `generate_batch`, given each request's own max_new_tokens). Each system gets the GPU to
-   itself in turn; throughput counts only the tokens each request asked for.
+   `generate_batch`, given each request's own max_new_tokens), as bench/runners.py runs
+   them. Each system gets the GPU to itself in turn; throughput counts only the tokens
+   each request asked for.
 b. Batch-1 decode step (engine step, and the runner's forward + lm_head alone) against the
    memory floor: bytes a step must read (weights + the context's KV) / measured
    device-to-device copy bandwidth.
@@ -31,119 +30,42 @@ it ran part of the workload by design), "partial" (and "cut"), "skipped" (and "r
 "failed" (and "error"). `--full` runs every system to the end on every request, for a
 machine with time.
 
-    python bench/gpu.py                                   # -> bench/results/gpu_<device>.json
-    python bench/gpu.py --full                            # no limits: tens of minutes
-    python bench/gpu.py --smoke                           # tiny CPU run of every path, < 1 min
+    python -m bench.gpu            # -> bench/results/gpu_<gpu>.json (gpu_nvidia_h200.json)
+    python -m bench.gpu --full     # no limits: tens of minutes
+    python -m bench.gpu --smoke    # tiny CPU run of every path, < 1 min, to the temp dir
 """
 
 import argparse
 import math
-import os
-import platform
-import re
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+from transformers import AutoModelForCausalLM
 
-import torch  # noqa: E402
-import transformers  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig  # noqa: E402
-
-from bench.gpu_report import Budget, Report, budget_spent, failed, say, skipped  # noqa: E402
-from bench.gpu_runs import (  # noqa: E402
-    batch1_step,
-    copy_bandwidth,
-    decode_kernel_bandwidth,
+from bench.budget import Budget, Report, budget_spent, failed, say, skipped
+from bench.gpu_measurements import batch1_step, copy_bandwidth, decode_kernel_bandwidth
+from bench.machine import machine, result_path, software_versions
+from bench.random_model import LLAMA_1B, TINY, build_model
+from bench.runners import (
     free_memory,
     generate_batch_manager,
     run_hf_generate_batch,
     run_hf_static,
     run_kvserve,
 )
-from bench.machine import machine as host_machine  # noqa: E402
-from bench.offline import make_workload, warm_up_workload  # noqa: E402
-from kvserve import LLM  # noqa: E402
-from replica.model_loader import bundled_tokenizer_path  # noqa: E402
+from bench.workloads import make_workload, warm_up_workload
+from kvserve import LLM
 
-RESULTS = Path(__file__).parent / "results"
 TARGETS = {
     "speedup_vs_hf_static_at_cap_1536": 15.0,
     "speedup_vs_hf_generate_batch": 2.0,
     "batch1_step_over_floor": 1.3,  # at most
     "decode_kernel_bandwidth_fraction": 0.7,
 }
-
-LLAMA_1B = dict(
-    hidden_size=2048,
-    num_hidden_layers=16,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=64,
-    intermediate_size=8192,
-    vocab_size=128256,
-    rope_theta=500000.0,
-    tie_word_embeddings=True,
-    max_position_embeddings=131072,
-)
-TINY = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    intermediate_size=128,
-    vocab_size=4096,
-    tie_word_embeddings=True,
-    max_position_embeddings=1024,
-)
 SYSTEMS = ("kvserve", "hf_static", "hf_generate_batch")
-
-
-def build_model(path: Path, shape: dict, device: str) -> None:
-    if (path / "config.json").exists():
-        return
-    torch.manual_seed(0)
-    with torch.device(device):  # initialising 1.2B weights is much faster on the GPU
-        model = AutoModelForCausalLM.from_config(LlamaConfig(**shape), dtype=torch.bfloat16)
-    model.save_pretrained(path)
-    AutoTokenizer.from_pretrained(bundled_tokenizer_path()).save_pretrained(path)
-    del model
-
-
-def versions() -> dict:
-    out = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
-    out["transformers"] = transformers.__version__
-    for name in ("triton", "flash_attn", "llguidance"):
-        try:
-            out[name] = __import__(name).__version__
-        except ImportError:
-            out[name] = None
-    return out
-
-
-def machine(device: str) -> dict:
-    """The GPU this ran on (or the CPU, for --smoke) and its host, as bench/machine.py
-    records a CPU machine: model, ISA flags, cores, torch threads, torch and oneDNN."""
-    host = host_machine()
-    info = {f"host_{key}": value for key, value in host.items() if key not in ("torch", "onednn")}
-    info.update(torch=host["torch"], onednn=host["onednn"])
-    if device == "cuda":
-        props = torch.cuda.get_device_properties(0)
-        info.update(
-            gpu=props.name,
-            compute_capability=f"{props.major}.{props.minor}",
-            multiprocessors=props.multi_processor_count,
-            memory_bytes=props.total_memory,
-        )
-    return info
-
-
-def slug(text: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "_", text.lower()).strip("_")
 
 
 def measure(report: Report, system: str, run, workloads: dict, warm, budget: Budget, args) -> None:
@@ -259,14 +181,18 @@ def hf_parts(report: Report, args, device: str, model_dir: Path, workloads, warm
     report.result["hf_model"] = {"status": "ran", "attn_implementation": hf.config._attn_implementation}
 
     def static(p, n, s):
-        return run_hf_static(hf, p, n, args.batch_size, args.hf_static_batches, s, device)
+        return run_hf_static(hf, p, n, args.batch_size, device, args.hf_static_batches, s)
 
     if "hf_static" in systems:
         measure(report, "hf_static", static, workloads, warm, budget, args)
     if "hf_generate_batch" in systems:
         longest = max(max(lengths) for _, lengths in workloads.values())
         try:
-            with generate_batch_manager(hf, longest, args.batch_size, args.smoke) as manager:
+            # On a GPU transformers sizes its cache and picks graphs itself; on a CPU it would
+            # claim most of RAM.
+            small = dict(use_cuda_graph=False, num_blocks=64) if args.smoke else {}
+            batching = dict(max_requests_per_batch=args.batch_size, **small)
+            with generate_batch_manager(hf, longest, **batching) as manager:
 
                 def generate_batch(p, n, s):
                     return run_hf_generate_batch(manager, p, n, s)
@@ -301,7 +227,7 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="the JSON file")
-    parser.add_argument("--out-dir", type=Path, default=None, help="write gpu_<device>.json here")
+    parser.add_argument("--out-dir", type=Path, default=None, help="write gpu_<machine>.json here")
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU, seconds")
     args = parser.parse_args()
     if args.full:
@@ -320,19 +246,16 @@ def main() -> int:
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     shape = TINY if args.smoke else LLAMA_1B
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    name = f"gpu_{'smoke_' if args.smoke else ''}{slug(device_name)}.json"
-    out_dir = args.out_dir or (Path(tempfile.gettempdir()) if args.smoke else RESULTS)
+    host = machine(device=device)
     model_dir = args.model_dir or Path(tempfile.mkdtemp(prefix="kvserve-bench-"))
-    report = Report(args.out or out_dir / name, {})
+    report = Report(args.out or result_path("gpu", host, args.smoke, args.out_dir), "gpu", args, host)
     say(f"device: {device_name}; model: {model_dir}; out: {report.path}")
     not_run = "not in --systems"
     result = report.result
     result.update(
-        benchmark="gpu",
         complete=False,
         device=device_name,
-        machine=machine(device),
-        versions=versions(),
+        versions=software_versions(),
         smoke=args.smoke,
         full=args.full,
         limits=None
@@ -382,7 +305,7 @@ def main() -> int:
         free_memory()
     if device != "cuda":
         result["decode_kernel"] = skipped("needs a CUDA GPU")
-    elif not versions()["triton"]:
+    elif not result["versions"]["triton"]:
         result["decode_kernel"] = skipped("triton is not installed")
     elif (kernel := report.section("decode_kernel", lambda: decode_kernel_bandwidth(bandwidth))) is not None:
         result["decode_kernel"] = {"status": "ran", **kernel}

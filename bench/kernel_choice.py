@@ -4,26 +4,19 @@ SmolLM2-135M's shapes), at each thread count asked for: every candidate's time p
 bucket, and the choice. It needs no weights, no Ray and no GGUF, so it also runs on a GPU
 machine's host CPU.
 
-    python bench/kernel_choice.py                      # -> bench/results/kernel_choice_<cpu>.json
-    python bench/kernel_choice.py --threads 2 16 --dtype bfloat16 float32
+    python -m bench.kernel_choice                      # -> bench/results/kernel_choice_<machine>.json
+    python -m bench.kernel_choice --threads 2 16 --dtype bfloat16 float32
 """
 
 import argparse
-import json
-import re
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from bench.machine import machine  # noqa: E402
-from replica.cpu import linear_kernels  # noqa: E402
-from replica.cpu.kernel_choice import KernelChooser, LinearShape  # noqa: E402
-from replica.cpu.machine import cpu_model  # noqa: E402
+from bench.machine import machine, write_result
+from replica.cpu import linear_kernels
+from replica.cpu.kernel_choice import KernelChooser, LinearShape
 
 # SmolLM2-135M: hidden 576, 9 query heads and 3 KV heads of 64, MLP 1536, vocabulary 49152.
 SMOLLM2 = {"hidden": 576, "heads": 9, "kv_heads": 3, "head_dim": 64, "intermediate": 1536, "vocab": 49152}
@@ -78,17 +71,8 @@ def main() -> None:
             )
             print(f"{name}, {threads} threads: " + "; ".join(f"{k}: {v}" for k, v in run["chosen"].items()))
             runs.append(run)
-    slug = re.sub(r"[^a-z0-9]+", "_", cpu_model().lower()).strip("_")
-    out = args.out or ROOT / "bench" / "results" / f"kernel_choice_{slug}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    result = {
-        "benchmark": "kernel_choice",
-        "model_shapes": "SmolLM2-135M",
-        "machine": machine(),
-        "runs": runs,
-    }
-    out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {out}")
+    path = write_result("kernel_choice", args, {"model_shapes": "SmolLM2-135M", "runs": runs}, path=args.out)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -4,29 +4,23 @@ for --output-tokens) on engines with the same kv_cache_memory_gb, which holds
 --concurrency such requests in the model's dtype. Engines run in turns, --repeats times,
 and each is reported by its median throughput, beside its KV blocks and preemptions.
 
-    python bench/kv_cache_dtype.py --out bench/results/kv_cache_dtype_cpu.json
-    python bench/kv_cache_dtype.py --dtypes float32 --kv-cache-dtypes bfloat16 fp8
+    python -m bench.kv_cache_dtype       # -> bench/results/kv_cache_dtype_<machine>.json
+    python -m bench.kv_cache_dtype --dtypes float32 --kv-cache-dtypes bfloat16 fp8
 """
 
 import argparse
-import os
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
+from transformers import AutoConfig
 
-import torch  # noqa: E402
-from transformers import AutoConfig  # noqa: E402
-
-from bench.machine import write_result  # noqa: E402
-from bench.offline import engine_record  # noqa: E402
-from kvserve import LLM, SamplingParams  # noqa: E402
-from replica.model_loader import resolve_model  # noqa: E402
+from bench.machine import machine, write_result
+from bench.runners import engine_record
+from kvserve import LLM, SamplingParams
+from replica.model_loader import resolve_model
 
 
 def kv_bytes_per_token(model: str | None, dtype: torch.dtype) -> int:
@@ -64,7 +58,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "kv_cache_dtype_cpu.json")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="default: bench/results/kv_cache_dtype_<machine>.json"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -114,7 +110,8 @@ def main() -> None:
             f"{name}: {results[name]['kv_cache']['blocks']} blocks, {median:.1f} tok/s "
             f"({median / base:.2f}x), preemptions {[r['preemptions'] for r in runs[name]]}"
         )
-    write_result(args.out, "kv_cache_dtype", args, results=results)
+    host = machine(threads=args.threads)
+    print(f"wrote {write_result('kv_cache_dtype', args, {'results': results}, host, args.out)}")
 
 
 if __name__ == "__main__":

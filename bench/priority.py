@@ -13,8 +13,8 @@ both sides.
 Bars: p50 TTFT of the priority-0 requests at most 0.5x that of the priority-1 ones;
 output throughput within 5% of the fcfs run's.
 
-    python bench/priority.py           # writes bench/results/priority.json
-    python bench/priority.py --quick   # smoke run, writes nothing
+    python -m bench.priority           # bench/results/priority_<machine>.json
+    python -m bench.priority --smoke   # tiny run, to the temp dir
 """
 
 import argparse
@@ -24,24 +24,17 @@ import os
 import platform
 import random
 import statistics
-import sys
-import time
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import ray
 
-import httpx  # noqa: E402
-import ray  # noqa: E402
-from ray import serve  # noqa: E402
+from bench.machine import machine, write_result
+from bench.serve_apps import deploy as deploy_app
+from bench.serve_apps import local_serve, undeploy
+from bench.sse import Result, percentile, send_at
 
-from bench.machine import machine  # noqa: E402
-from bench.serving import MODEL, Result, percentile, stream  # noqa: E402
-from deployments.app import build_app  # noqa: E402
-from router.placement.coordinator import coordinator_address  # noqa: E402
-
-RESULTS = Path(__file__).parent / "results"
 PORT = 18556
+MODEL = "kvserve-bench"
 POLICIES = ("priority", "fcfs")
 
 
@@ -54,7 +47,7 @@ def deploy(policy: str, engine_args: dict, warm_up: list) -> str:
         "replicas": 1,
         "engine_args": {**engine_args, "scheduling_policy": policy},
     }
-    serve.run(build_app(config), name=config["app_name"], route_prefix=f"/{policy}")
+    deploy_app(config, route_prefix=f"/{policy}")
     base_url = f"http://127.0.0.1:{PORT}/{policy}"
     asyncio.run(send(base_url, [(0.0, cls, payload) for _, cls, payload in warm_up], with_priority=False))
     return base_url
@@ -74,16 +67,12 @@ def load(args) -> list[tuple[float, int, dict]]:
 
 
 async def send(base_url: str, jobs, with_priority: bool) -> tuple[list[Result], float]:
-    """Send each job at its offset, with its class as `priority` if asked; returns the
-    results and the seconds from the first send to the last token."""
-    async with httpx.AsyncClient(base_url=base_url, timeout=900) as client:
-        start, tasks = time.perf_counter(), []
-        for due, cls, payload in jobs:
-            await asyncio.sleep(max(0.0, start + due - time.perf_counter()))
-            body = {**payload, "priority": cls} if with_priority else payload
-            tasks.append(asyncio.create_task(stream(client, "/v1/completions", body)))
-        results = await asyncio.gather(*tasks)
-    return results, time.perf_counter() - start
+    """Send each job at its offset, with its class as `priority` if asked."""
+    timed = [
+        (due, "/v1/completions", {**payload, "model": MODEL, **({"priority": cls} if with_priority else {})})
+        for due, cls, payload in jobs
+    ]
+    return await send_at(base_url, timed)
 
 
 def measure(base_url: str, policy: str, jobs) -> dict:
@@ -137,13 +126,13 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=8, help="the running batch's bound")
     parser.add_argument("--rounds", type=int, default=2, help="ABBA rounds: each adds 2 runs per policy")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=None, help="default: bench/results/priority.json")
-    parser.add_argument("--quick", action="store_true", help="tiny smoke run; writes only with --out")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="default: bench/results/priority_<machine>.json"
+    )
+    parser.add_argument("--smoke", action="store_true", help="tiny run, written to the temp dir")
     args = parser.parse_args()
-    if args.quick:
+    if args.smoke:
         args.requests, args.output_tokens = 8, 4
-    elif args.out is None:
-        args.out = RESULTS / "priority.json"
     engine_args = {"dtype": "auto", "device": "cpu", "cpu_cores": "auto", "max_num_seqs": args.max_num_seqs}
     jobs = load(args)
     before = machine(
@@ -153,10 +142,8 @@ def main() -> None:
         load_average_1_5_15=os.getloadavg(),
     )
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     runs = []
-    try:
+    with local_serve(PORT):
         warm_up = load(argparse.Namespace(**{**vars(args), "seed": args.seed + 1}))[: args.max_num_seqs]
         urls = {policy: deploy(policy, engine_args, warm_up) for policy in POLICIES}
         for policy in ("priority", "fcfs", "fcfs", "priority") * args.rounds:
@@ -167,26 +154,17 @@ def main() -> None:
                 flush=True,
             )
         for policy in POLICIES:
-            serve.delete(f"bench-{policy}")
-            namespace, name = coordinator_address(f"bench-{policy}")
-            ray.kill(ray.get_actor(name, namespace=namespace))
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+            undeploy(f"bench-{policy}")
     result = {
-        "machine": before,
         "load_average_after": os.getloadavg(),
         "note": "absolute figures follow the machine's load (recorded before and after); the "
         "policies run alternately (ABBA), so the ratios compare like with like.",
-        "config": {k: v for k, v in vars(args).items() if k != "out"} | {"engine_args": engine_args},
+        "engine_args": engine_args,
         "summary": summary(runs),
         "runs": runs,
     }
     print(json.dumps(result["summary"], indent=2))
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2, default=str))
-        print(f"wrote {args.out}")
+    print(f"wrote {write_result('priority', args, result, before, args.out, args.smoke)}")
 
 
 if __name__ == "__main__":

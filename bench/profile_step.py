@@ -10,33 +10,26 @@ from FusedDecoder's Python loop, which shows each kind of kernel; and the same k
 from decoder.c's one call per step (what runs by default where it applies), whose
 kernels Python cannot see, so the breakdown shows what the Python between them cost.
 
-    python bench/profile_step.py          # -> bench/results/profile_step_cpu.json
+    python -m bench.profile_step          # -> bench/results/profile_step_<machine>.json
 """
 
 import argparse
 import contextlib
-import json
-import os
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+from transformers import AttentionInterface
+from transformers.models.llama import modeling_llama
 
-import torch  # noqa: E402
-from transformers import AttentionInterface  # noqa: E402
-from transformers.models.llama import modeling_llama  # noqa: E402
-
-import replica.engine  # noqa: E402
-import replica.model_runner  # noqa: E402
-from bench.machine import machine  # noqa: E402
-from bench.offline import make_mixed_workload, run_kvserve  # noqa: E402
-from kvserve import LLM  # noqa: E402
-from replica.cpu import layers, ops  # noqa: E402
-
-RESULTS = Path(__file__).parent / "results"
+import replica.engine
+import replica.model_runner
+from bench.machine import machine, write_result
+from bench.runners import run_kvserve
+from bench.workloads import make_mixed_workload
+from kvserve import LLM
+from replica.cpu import layers, ops
 
 
 class SelfTimer:
@@ -157,7 +150,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=96)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--backends", nargs="+", default=["torch", "cpu"])
-    parser.add_argument("--out", type=Path, default=RESULTS / "profile_step_cpu.json")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="default: bench/results/profile_step_<machine>.json"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     engine_args = dict(
@@ -166,9 +161,7 @@ def main() -> None:
     host = machine(threads=args.threads)
     prompts, lengths = make_mixed_workload(args.requests, (32, 160), 48, 256, 49152, seed=0)
     result = {
-        "benchmark": "profile_step",
         "device": f"cpu: {host['cpu']}, {args.threads} threads",
-        "machine": host,
         "model": "bundled SmolLM2-135M-Instruct",
         "workload": {"num_requests": args.requests, "prompt_lens": [32, 160], "mean_output": 48, "cap": 256},
         "engine_args": engine_args,
@@ -188,9 +181,7 @@ def main() -> None:
               f"{run['output_tokens_per_s']:.0f} tok/s")  # fmt: skip
         for name, ms in run["ms_per_step"].items():
             print(f"  {ms:7.2f} ms/step  {run['share'][name]:6.1%}  {name}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    print(f"\nwrote {write_result('profile_step', args, result, host, args.out)}")
 
 
 if __name__ == "__main__":

@@ -8,26 +8,20 @@ timed in turns. Weight quantizations (--quantizations) and KV cache dtypes
 The text is the first --tokens tokens of /usr/share/common-licenses/GPL-3 (every Debian
 machine has it; nobody tuned on it).
 
-    python bench/quantization.py --dtype float32 --out bench/results/quantization_cpu.json
+    python -m bench.quantization --dtype float32   # -> bench/results/quantization_<machine>.json
 """
 
 import argparse
 import math
-import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from bench.machine import write_result  # noqa: E402
-from bench.offline import engine_record  # noqa: E402
-from kvserve import LLM, SamplingParams  # noqa: E402
+from bench.machine import machine, write_result
+from bench.runners import engine_record
+from kvserve import LLM, SamplingParams
 
 TEXT = Path("/usr/share/common-licenses/GPL-3")
 # Each prompt's greedy answer must contain its word.
@@ -85,7 +79,9 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5, help="timed decodes of each engine, in turns")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "quantization_cpu.json")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="default: bench/results/quantization_<machine>.json"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -143,7 +139,8 @@ def main() -> None:
             f"answers {sum(a['correct'] for a in row['answers'])}/{len(FACTS)}"
         )
     text = {"path": str(TEXT), "tokens": len(token_ids)}
-    write_result(args.out, "quantization", args, text=text, results=results)
+    host = machine(threads=args.threads)
+    print(f"wrote {write_result('quantization', args, {'text': text, 'results': results}, host, args.out)}")
 
 
 if __name__ == "__main__":

@@ -5,20 +5,19 @@ a. GEMMs: every distinct linear of the model at several row counts, dense (F.lin
    (torch._scaled_mm, where the device has fp8 GEMMs), and fp8 weight-only (the weight
    stored in e4m3, widened to the activations' dtype at each call), each timed in turns,
    median of --reps.
-b. On CUDA only, the engine: kvserve on bench/gpu.py's Anyscale workload (one cap, a
+b. On CUDA only, the engine: kvserve on bench.gpu's Anyscale workload (one cap, a
    subset of requests) and its batch-1 decode step, with quantization None, "int8" and
    "fp8", one engine at a time.
 
 On a CPU, part (a) is what `quantization="fp8"` is refused on: no fp8 path there beats
-the dense dtype (kvserve's CPU int8 kernels are measured by bench/quantization.py).
+the dense dtype (kvserve's CPU int8 kernels are measured by bench.quantization).
 
-    python bench/quantized_gemm.py                     # GPU: 1B-shaped model, bf16
-    python bench/quantized_gemm.py --device cpu        # the bundled model's shapes
-    python bench/quantized_gemm.py --smoke             # tiny, seconds
+    python -m bench.quantized_gemm                 # GPU: 1B-shaped model, bf16
+    python -m bench.quantized_gemm --device cpu    # the bundled model's shapes
+    python -m bench.quantized_gemm --smoke         # tiny, seconds, to the temp dir
 """
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
@@ -26,20 +25,18 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+from torch import nn
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
+from bench.budget import Budget, Report, budget_spent, failed, say, skipped
+from bench.gpu_measurements import batch1_step
+from bench.machine import machine, result_path, software_versions
+from bench.random_model import LLAMA_1B, TINY, build_model
+from bench.runners import free_memory, run_kvserve, sync
+from bench.workloads import make_workload, warm_up_workload
+from kvserve import LLM
+from replica.quantized_linear import FP8, QuantizedLinear, fp8_supported, quantize_rows
 
-from bench.gpu import LLAMA_1B, TINY, build_model, machine, slug, versions  # noqa: E402
-from bench.gpu_report import Budget, Report, budget_spent, failed, say, skipped  # noqa: E402
-from bench.gpu_runs import batch1_step, free_memory, run_kvserve, sync  # noqa: E402
-from bench.offline import make_workload, warm_up_workload  # noqa: E402
-from kvserve import LLM  # noqa: E402
-from replica.quantized_linear import FP8, QuantizedLinear, fp8_supported, quantize_rows  # noqa: E402
-
-RESULTS = Path(__file__).parent / "results"
 # The bundled SmolLM2-135M's linears: (in, out) of q, k/v, o, gate/up, down, lm_head.
 BUNDLED = dict(hidden_size=576, intermediate_size=1536, kv=192, vocab_size=49152)
 
@@ -176,7 +173,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--budget-s", type=float, default=150, help="no engine starts after this")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, seconds")
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--out-dir", type=Path, default=None, help="write quantized_gemm_<device>.json here")
+    parser.add_argument("--out-dir", type=Path, default=None, help="write quantized_gemm_<machine>.json here")
     return parser.parse_args()
 
 
@@ -192,14 +189,12 @@ def main() -> int:
         shape, rows, reps = BUNDLED, args.rows or [1, 16, 64, 256], args.reps or 5
     dense = [torch.float32, torch.bfloat16] if device == "cpu" else [torch.bfloat16]
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    name = f"quantized_gemm_{'smoke_' if args.smoke else ''}{slug(device_name)}.json"
-    out_dir = args.out_dir or (Path(tempfile.gettempdir()) if args.smoke else RESULTS)
-    report = Report(args.out or out_dir / name, {})
+    host = machine(device=device)
+    path = args.out or result_path("quantized_gemm", host, args.smoke, args.out_dir)
+    report = Report(path, "quantized_gemm", args, host)
     report.result.update(
-        benchmark="quantized_gemm",
         device=device_name,
-        machine=machine(device),
-        versions=versions(),
+        versions=software_versions(),
         threads=torch.get_num_threads(),
         shapes="tiny random Llama"
         if args.smoke

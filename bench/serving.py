@@ -15,93 +15,42 @@ token event.
            routers: the share of each burst that the busiest replica got, read from
            the x-kvserve-replica header of every response.
 
-    python bench/serving.py            # writes bench/results/serving_cpu.{json,png}
-    python bench/serving.py --quick    # smoke run
+    python -m bench.serving            # bench/results/serving_<machine>.{json,png}
+    python -m bench.serving --smoke    # tiny run, to the temp dir
 
-bench/serving_peers.py compares `kvserve serve` with `vllm serve` under vLLM's own load
+bench.serving_peers compares `kvserve serve` with `vllm serve` under vLLM's own load
 generator; it runs both as subprocess servers, so it is a script of its own.
 """
 
 import argparse
 import asyncio
-import json
-import os
+import itertools
 import platform
 import random
-import statistics
-import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import httpx
+import ray
 
-import httpx  # noqa: E402
-import ray  # noqa: E402
-from ray import serve  # noqa: E402
+from bench.machine import machine, write_result
+from bench.plots import plot_serving
+from bench.serve_apps import deploy, local_serve, snapshot, undeploy, wait_for_replicas
+from bench.sse import Result, latency_summary, send_at, stream
 
-from bench.machine import machine  # noqa: E402
-from deployments.app import build_app  # noqa: E402
-from router.placement.coordinator import coordinator_address  # noqa: E402
-
-RESULTS = Path(__file__).parent / "results"
 PORT = 18555
 MODEL = "kvserve-bench"
 WORDS = "river stone light paper garden window music silver orange cloud forest engine market"
 
 
-@dataclass
-class Result:
-    ok: bool
-    ttft: float | None = None
-    itls: list[float] = field(default_factory=list)
-    output_tokens: int = 0
-    text: str = ""
-    error: str | None = None
-
-
-async def stream(client: httpx.AsyncClient, path: str, payload: dict) -> Result:
-    """One streaming request; a token event is a chunk carrying completion text."""
-    body = {**payload, "model": MODEL, "stream": True, "stream_options": {"include_usage": True}}
-    start = last = time.perf_counter()
-    result = Result(ok=True)
-    pieces = []
-    async with client.stream("POST", path, json=body) as response:
-        if response.status_code != 200:
-            return Result(ok=False, error=f"{response.status_code}: {(await response.aread())[:200]!r}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[len("data: ") :])
-            if event.get("usage"):
-                result.output_tokens = event["usage"]["completion_tokens"]
-            for choice in event["choices"]:
-                delta = choice.get("delta", {})
-                if "role" in delta:
-                    continue
-                now = time.perf_counter()
-                if result.ttft is None:
-                    result.ttft = now - start
-                else:
-                    result.itls.append(now - last)
-                last = now
-                pieces.append(choice.get("text") or delta.get("content") or "")
-    result.text = "".join(pieces)
-    return result
-
-
 async def poisson(base_url: str, jobs: list[tuple[str, dict]], rate: float, seed: int):
     """Send jobs at Poisson arrival times; returns (results, seconds until the last finished)."""
     rng = random.Random(seed)
-    async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
-        start, due, tasks = time.perf_counter(), 0.0, []
-        for path, payload in jobs:
-            due += rng.expovariate(rate)
-            await asyncio.sleep(max(0.0, start + due - time.perf_counter()))
-            tasks.append(asyncio.create_task(stream(client, path, payload)))
-        results = await asyncio.gather(*tasks)
-    return results, time.perf_counter() - start
+    dues = itertools.accumulate(rng.expovariate(rate) for _ in jobs)
+    timed = [
+        (due, path, {**payload, "model": MODEL}) for due, (path, payload) in zip(dues, jobs, strict=True)
+    ]
+    return await send_at(base_url, timed)
 
 
 async def conversations(base_url: str, args, seed: int) -> list[Result]:
@@ -117,7 +66,7 @@ async def conversations(base_url: str, args, seed: int) -> list[Result]:
                 {"role": "user", "content": " ".join(rng.choices(WORDS.split(), k=args.user_words))}
             )
             payload = {"messages": messages, "max_tokens": args.reply_tokens, "temperature": 0}
-            result = await stream(client, "/v1/chat/completions", payload)
+            result = await stream(client, "/v1/chat/completions", {**payload, "model": MODEL})
             results.append(result)
             messages.append({"role": "assistant", "content": result.text})
             await asyncio.sleep(rng.expovariate(1 / args.think_time))
@@ -136,28 +85,6 @@ def token_jobs(rng: random.Random, n: int, prompt_len: int, output_len: int) -> 
     ]
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
-
-
-def latency_summary(results: list[Result], seconds: float) -> dict:
-    ok = [r for r in results if r.ok]
-    ttfts = [r.ttft for r in ok if r.ttft is not None]
-    itls = [x for r in ok for x in r.itls]
-    return {
-        "requests": len(results),
-        "errors": len(results) - len(ok),
-        "ttft_p50_s": percentile(ttfts, 50),
-        "ttft_p99_s": percentile(ttfts, 99),
-        "itl_p50_s": percentile(itls, 50),
-        "itl_p99_s": percentile(itls, 99),
-        "output_tokens_per_s": sum(r.output_tokens for r in ok) / seconds,
-        "seconds": seconds,
-    }
-
-
 class App:
     """A freshly deployed app; `totals()` sums its replicas' engine counters."""
 
@@ -170,28 +97,24 @@ class App:
             "router": router,
             "engine_args": engine_args,
         }
-        serve.run(build_app(config), name=name, route_prefix="/")
-        namespace, coordinator_name = coordinator_address(name)
-        self.coordinator = ray.get_actor(coordinator_name, namespace=namespace)
-        while len(ray.get(self.coordinator.snapshot.remote())) < replicas:
-            time.sleep(0.1)
+        deploy(config, route_prefix="/")
+        wait_for_replicas(name, replicas)
         self.base_url = f"http://127.0.0.1:{PORT}"
         # Warm up both replicas' first-call paths outside the measurement.
         warm = token_jobs(random.Random(99), 2 * replicas, 16, 4)
         asyncio.run(poisson(self.base_url, warm, rate=100.0, seed=99))
 
     def totals(self) -> dict:
-        snapshot = ray.get(self.coordinator.snapshot.remote())
+        reports = snapshot(self.name)
         keys = ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits")
-        return {k: sum(getattr(s, k) for s in snapshot.values()) for k in keys}
+        return {k: sum(getattr(s, k) for s in reports.values()) for k in keys}
 
     def close(self) -> None:
-        serve.delete(self.name)
-        ray.kill(self.coordinator)
+        undeploy(self.name)
 
 
-def run_rates(args) -> list[dict]:
-    app = App("bench-rates", "kv", {**args.engine, "num_kv_blocks": args.rates_kv_blocks})
+def run_rates(args, engine: dict) -> list[dict]:
+    app = App("bench-rates", "kv", {**engine, "num_kv_blocks": args.rates_kv_blocks})
     out = []
     for i, rate in enumerate(args.rates):
         jobs = token_jobs(random.Random(i), args.rates_requests, args.rates_prompt, args.rates_output)
@@ -202,7 +125,7 @@ def run_rates(args) -> list[dict]:
     return out
 
 
-def run_routing(args) -> dict:
+def run_routing(args, engine: dict) -> dict:
     rng = random.Random(7)
     long_jobs = token_jobs(rng, args.routing_requests, args.long_prompt, args.routing_output)
     short_jobs = token_jobs(rng, args.routing_requests, args.short_prompt, args.routing_output)
@@ -213,7 +136,7 @@ def run_routing(args) -> dict:
     ]
     out = {}
     for router in ("kv", "pow2"):
-        app = App(f"bench-routing-{router}", router, {**args.engine, "num_kv_blocks": args.routing_kv_blocks})
+        app = App(f"bench-routing-{router}", router, {**engine, "num_kv_blocks": args.routing_kv_blocks})
         results, seconds = asyncio.run(poisson(app.base_url, jobs, args.routing_rate, seed=9))
         out[router] = {**latency_summary(results, seconds), **app.totals()}
         app.close()
@@ -222,7 +145,7 @@ def run_routing(args) -> dict:
     return out
 
 
-def run_prefix(args) -> dict:
+def run_prefix(args, engine: dict) -> dict:
     """Hit rates with 2 and with 4 replicas: with 2, a random pick lands on the replica
     holding the conversation half the time, so power-of-two is at its strongest there."""
     out = {}
@@ -230,8 +153,7 @@ def run_prefix(args) -> dict:
         runs = {}
         for router in ("kv", "pow2"):
             name = f"bench-prefix-{router}-{replicas}"
-            engine = {**args.engine, "num_kv_blocks": args.prefix_kv_blocks}
-            app = App(name, router, engine, replicas=replicas)
+            app = App(name, router, {**engine, "num_kv_blocks": args.prefix_kv_blocks}, replicas=replicas)
             start = time.perf_counter()
             results = asyncio.run(conversations(app.base_url, args, seed=11))
             totals = app.totals()
@@ -258,11 +180,11 @@ async def burst(base_url: str, jobs: list[tuple[str, dict]]) -> list[str]:
     return [response.headers["x-kvserve-replica"] for response in responses]
 
 
-def run_bursts(args) -> dict:
+def run_bursts(args, engine: dict) -> dict:
     (job,) = token_jobs(random.Random(13), 1, args.burst_prompt, args.burst_output)
     out = {}
     for router in ("kv", "pow2"):
-        app = App(f"bench-bursts-{router}", router, args.engine)
+        app = App(f"bench-bursts-{router}", router, engine)
         shares = []
         for _ in range(args.bursts):
             served = asyncio.run(burst(app.base_url, [job] * args.burst_size))
@@ -272,49 +194,6 @@ def run_bursts(args) -> dict:
         out[router] = {"busiest_share_per_burst": shares, "max_busiest_share": max(shares)}
         print(f"bursts {router}: {out[router]}", flush=True)
     return out
-
-
-def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4.2))
-    rates = result["rates"]
-    x = [r["rate_rps"] for r in rates]
-    for key, label in (("ttft_p50_s", "TTFT p50"), ("ttft_p99_s", "TTFT p99")):
-        a.plot(x, [r[key] * 1000 for r in rates], marker="o", label=label)
-    for key, label in (("itl_p50_s", "ITL p50"), ("itl_p99_s", "ITL p99")):
-        a.plot(x, [r[key] * 1000 for r in rates], marker="s", linestyle="--", label=label)
-    a.set(xlabel="arrival rate (req/s)", ylabel="ms", title="Latency vs load (KV router, 2 replicas)")
-    a.legend()
-    routing = result["routing"]
-    names = ["kv", "pow2"]
-    b.bar(names, [routing[n]["ttft_p99_s"] for n in names], color=["tab:green", "tab:gray"])
-    for i, n in enumerate(names):
-        b.text(
-            i,
-            routing[n]["ttft_p99_s"],
-            f"{routing[n]['num_preemptions']} preemptions",
-            ha="center",
-            va="bottom",
-        )
-    b.set(
-        ylabel="p99 TTFT (s)",
-        title=f"Long/short mix, small KV: kv/pow2 = {routing['p99_ttft_kv_over_pow2']:.2f}",
-    )
-    groups = list(result["prefix"].items())
-    width = 0.38
-    for offset, router, color in ((-width / 2, "kv", "tab:green"), (width / 2, "pow2", "tab:gray")):
-        xs = [i + offset for i in range(len(groups))]
-        c.bar(xs, [runs[router]["hit_rate"] for _, runs in groups], width, label=router, color=color)
-    labels = [f"{k.split('_')[1]} replicas\nkv/pow2 = {r['hit_rate_kv_over_pow2']:.2f}x" for k, r in groups]
-    c.set_xticks(range(len(groups)), labels)
-    c.set(ylabel="prefix-cache hit rate", ylim=(0, 1), title="Multi-turn chats")
-    c.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 def main() -> None:
@@ -347,34 +226,28 @@ def main() -> None:
     parser.add_argument("--burst-output", type=int, default=16)
     parser.add_argument("--burst-gap", type=float, default=1.0, help="seconds between bursts")
     parser.add_argument("--only", choices=["rates", "routing", "prefix", "bursts"], nargs="+")
-    parser.add_argument("--out", type=Path, default=RESULTS / "serving_cpu.json")
-    parser.add_argument("--quick", action="store_true", help="tiny smoke run")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="default: bench/results/serving_<machine>.json"
+    )
+    parser.add_argument("--smoke", action="store_true", help="tiny run, written to the temp dir")
     args = parser.parse_args()
-    args.engine = {"dtype": "bfloat16", "device": "cpu", "block_size": 16}
-    if args.quick:
+    engine = {"dtype": "bfloat16", "device": "cpu", "block_size": 16}
+    if args.smoke:
         args.rates, args.rates_requests, args.routing_requests = [2.0], 6, 8
         args.chats, args.turns, args.prefix_replicas = 2, 2, [2]
         args.bursts = 2
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-    result = {
-        "machine": machine(platform=platform.platform(), ray=ray.__version__),
-        "config": {k: v for k, v in vars(args).items() if k not in ("out", "only")},
-    }
-    try:
-        experiments = {"rates": run_rates, "routing": run_routing, "prefix": run_prefix, "bursts": run_bursts}
+    host = machine(platform=platform.platform(), ray=ray.__version__)
+    result = {"engine_args": engine}
+    experiments = {"rates": run_rates, "routing": run_routing, "prefix": run_prefix, "bursts": run_bursts}
+    with local_serve(PORT):
         for name, run in experiments.items():
             if args.only is None or name in args.only:
-                result[name] = run(args)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2, default=str))
+                result[name] = run(args, engine)
+    path = write_result("serving", args, result, host, args.out, args.smoke)
     if all(k in result for k in ("rates", "routing", "prefix")):
-        plot(result, args.out.with_suffix(".png"))
-    print(f"wrote {args.out}")
+        plot_serving(result, path.with_suffix(".png"))
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

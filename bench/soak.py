@@ -8,8 +8,8 @@ RESOURCE_EXHAUSTED, or an error event); nothing may get a 5xx (gRPC INTERNAL, UN
 or UNAVAILABLE count as 5xx), every KV block must be free at the end, and the RSS of
 the Serve processes must stay flat after warm-up.
 
-    python bench/soak.py               # 2000 requests -> bench/results/soak_cpu.json
-    python bench/soak.py --requests 200 --out /tmp/soak.json   # smoke run
+    python -m bench.soak            # 2000 requests -> bench/results/soak_<machine>.json
+    python -m bench.soak --smoke    # 60 requests, to the temp dir
 """
 
 import argparse
@@ -19,28 +19,22 @@ import json
 import os
 import platform
 import random
-import sys
 import threading
 import time
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import grpc
+import httpx
+import psutil
+import ray
 
-import grpc  # noqa: E402
-import httpx  # noqa: E402
-import psutil  # noqa: E402
-import ray  # noqa: E402
-from ray import serve  # noqa: E402
+from bench.machine import machine, write_result
+from bench.serve_apps import deploy, local_serve, snapshot
+from bench.sse import sse_event
+from router.api.protos import kvserve_pb2 as pb
+from router.api.protos import kvserve_pb2_grpc as pb_grpc
+from wire.messages import ReplicaReport
 
-from bench.machine import machine  # noqa: E402
-from deployments.app import GRPC_SERVICER, build_app  # noqa: E402
-from router.api.protos import kvserve_pb2 as pb  # noqa: E402
-from router.api.protos import kvserve_pb2_grpc as pb_grpc  # noqa: E402
-from router.placement.coordinator import coordinator_address  # noqa: E402
-from wire.messages import ReplicaReport  # noqa: E402
-
-RESULTS = Path(__file__).parent / "results"
 HTTP_PORT, GRPC_PORT = 18655, 18656
 APP, MODEL = "soak", "kvserve-soak"
 BASE = f"http://127.0.0.1:{HTTP_PORT}"
@@ -105,9 +99,8 @@ def http_valid(body: dict, stream: bool, cancel_after: int | None) -> dict:
         if r.status_code != 200:
             return {"status": r.status_code}
         for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+            if (event := sse_event(line)) is None:
                 continue
-            event = json.loads(line[len("data: ") :])
             if "error" in event:
                 error = event["error"]["code"]
                 continue
@@ -207,18 +200,13 @@ def rss_mb(pids: dict[str, int]) -> dict[str, float]:
     return {name: psutil.Process(pid).memory_info().rss / 2**20 for name, pid in pids.items()}
 
 
-def kv_snapshot() -> dict[str, ReplicaReport]:
-    namespace, name = coordinator_address(APP)
-    return ray.get(ray.get_actor(name, namespace=namespace).snapshot.remote())
-
-
 def wait_idle(timeout_s: float = 60) -> dict[str, ReplicaReport]:
     deadline = time.monotonic() + timeout_s
     while True:
-        snapshot = kv_snapshot()
-        idle = all(not s.num_running and not s.num_waiting for s in snapshot.values())
-        if (idle and len(snapshot) == 2) or time.monotonic() > deadline:
-            return snapshot
+        reports = snapshot(APP)
+        idle = all(not s.num_running and not s.num_waiting for s in reports.values())
+        if (idle and len(reports) == 2) or time.monotonic() > deadline:
+            return reports
         time.sleep(0.5)
 
 
@@ -232,33 +220,31 @@ def main() -> None:
     parser.add_argument("--phases", type=int, default=4, help="RSS readings after warm-up")
     parser.add_argument("--kv-blocks", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=RESULTS / "soak_cpu.json")
+    parser.add_argument("--out", type=Path, default=None, help="default: bench/results/soak_<machine>.json")
+    parser.add_argument("--smoke", action="store_true", help="60 requests, written to the temp dir")
     args = parser.parse_args()
+    if args.smoke:
+        args.requests, args.warmup, args.phases = 60, 20, 2
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    serve.start(
-        http_options={"host": "127.0.0.1", "port": HTTP_PORT},
-        grpc_options={"port": GRPC_PORT, "grpc_servicer_functions": [GRPC_SERVICER]},
-    )
     engine_args = {"num_kv_blocks": args.kv_blocks, "max_num_seqs": 32}
     config = {"app_name": APP, "served_model_name": MODEL, "replicas": 2, "engine_args": engine_args}
     config["max_request_bytes"] = MAX_REQUEST_BYTES
-    serve.run(build_app(config), name=APP, route_prefix="/")
-
-    pids = serve_pids()
-    outcomes: list[dict] = []
     # RSS after warm-up and after each later phase: early phases still map KV pages
     # touched for the first time and warm allocator caches; a leak keeps growing.
     bounds = [args.warmup + (args.requests - args.warmup) * k // args.phases for k in range(args.phases + 1)]
     phases = [range(args.warmup)] + [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+    outcomes: list[dict] = []
     rss = []
-    started = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(args.concurrency) as pool:
-        for phase in phases:
-            outcomes += pool.map(lambda i: one_request(i, args.seed), phase)
-            final = wait_idle()
-            rss.append(rss_mb(pids))
-    seconds = time.perf_counter() - started
+    with local_serve(HTTP_PORT, GRPC_PORT):
+        deploy(config, route_prefix="/")
+        pids = serve_pids()
+        started = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(args.concurrency) as pool:
+            for phase in phases:
+                outcomes += pool.map(lambda i: one_request(i, args.seed), phase)
+                final = wait_idle()
+                rss.append(rss_mb(pids))
+        seconds = time.perf_counter() - started
 
     counts = collections.Counter(classify(o) for o in outcomes)
     by_kind = collections.Counter(o["kind"] for o in outcomes)
@@ -267,8 +253,8 @@ def main() -> None:
     valid_ok = sum(classify(o) in ("completed", "clean_error") for o in valid)
     free = {r: (s.num_free_blocks, s.num_total_blocks) for r, s in final.items()}
     result = {
-        "machine": machine(platform=platform.platform(), ray=ray.__version__),
-        "config": {**vars(args), "out": str(args.out), "replicas": 2, "engine_args": engine_args},
+        "replicas": 2,
+        "engine_args": engine_args,
         "seconds": round(seconds, 1),
         "requests_per_s": round(len(outcomes) / seconds, 2),
         "requests": len(outcomes),
@@ -290,11 +276,9 @@ def main() -> None:
         "examples_of_losses": [o for o in outcomes if classify(o) in ("lost", "server_error")][:10],
         "targets": {"valid_completed_or_clean_error_pct": 100, "server_errors": 0, "all_blocks_free": True},
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: result[k] for k in list(result)[2:18]}, indent=2))
-    serve.shutdown()
-    ray.shutdown()
+    host = machine(platform=platform.platform(), ray=ray.__version__)
+    print(f"wrote {write_result('soak', args, result, host, args.out, args.smoke)}")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ round), each round with its share of the workloads' prompts; a system's figures 
 rounds. Machines here drift by 10-15% over minutes, more than the few percent a
 speculation overhead bar is about, and one system measured after another reads the drift.
 
-Each server is started as a user starts it (bench/serving_peers.py), waited for
+Each server is started as a user starts it (bench/servers.py), waited for
 (/health), then measured on two workloads:
 
   repeat   chat prompts whose answers repeat their prompt ("Repeat this list exactly,
@@ -23,9 +23,9 @@ Each server is started as a user starts it (bench/serving_peers.py), waited for
 The servers' vllm:spec_decode_* counters (/metrics) give the acceptance on each workload,
 and the greedy answers of a system with speculation are compared with those without it.
 
-    python bench/spec_decode.py            # bench/results/spec_decode_cpu.json
-    python bench/spec_decode.py --quick    # smoke run: 3 repeat prompts, short random runs
-    python bench/spec_decode.py --systems vllm vllm-ngram
+    python -m bench.spec_decode            # bench/results/spec_decode_<machine>.json
+    python -m bench.spec_decode --smoke    # 3 repeat prompts, short random runs, to the temp dir
+    python -m bench.spec_decode --systems vllm vllm-ngram
 
 A system that fails (vLLM refusing the speculative config, say) is recorded with its
 error text and the tail of its log, and the run goes on with the next one.
@@ -36,11 +36,8 @@ import hashlib
 import json
 import os
 import platform
-import random
 import re
 import shlex
-import signal
-import statistics
 import sys
 import tempfile
 import time
@@ -48,107 +45,40 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench.machine import machine, write_result
+from bench.peers import TCMALLOC, VLLM_VENV, vllm_model
+from bench.servers import VLLM_ENV, Server, kvserve_command, vllm_command
+from bench.spec_prompts import items_echoed, repeat_prompts
+from bench.spec_results import SYSTEMS, acceptance, merge_rounds, repeat_summary, spec_counters, summarize
+from bench.sse import sse_event
+from bench.vllm_bench_serve import bench_serve
+from replica.model_loader import BUNDLED_NAME, resolve_model
 
-import bench.serving_peers as peers  # noqa: E402
-from bench.machine import machine  # noqa: E402
-from bench.peers import TCMALLOC, vllm_model  # noqa: E402
-from replica.model_loader import BUNDLED_NAME, resolve_model  # noqa: E402
-
-RESULTS = ROOT / "bench" / "results"
 PORT = 18700
 # The same config for both systems (vLLM 0.32's names).
 SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-SYSTEMS = ["kvserve", "kvserve-ngram", "vllm", "vllm-ngram"]
-# The bars the speculative engine is held to (kvserve-ngram against kvserve).
-REPEAT_TPOT_SPEEDUP_BAR = 1.6
-RANDOM_THROUGHPUT_RATIO_BAR = 0.97
-
-FRUITS = [
-    "apple", "apricot", "avocado", "banana", "blackberry", "blueberry", "cantaloupe", "cherry",
-    "clementine", "coconut", "cranberry", "date", "dragonfruit", "elderberry", "fig", "gooseberry",
-    "grape", "grapefruit", "guava", "honeydew", "jackfruit", "kiwi", "kumquat", "lemon", "lime",
-    "lychee", "mandarin", "mango", "mulberry", "nectarine", "orange", "papaya", "passionfruit",
-    "peach", "pear", "persimmon", "pineapple", "plum", "pomegranate", "quince", "raspberry",
-    "starfruit", "strawberry", "tangerine", "watermelon",
-]  # fmt: skip
-CITIES = [
-    "Amsterdam", "Athens", "Bangkok", "Barcelona", "Berlin", "Bogota", "Boston", "Brussels",
-    "Budapest", "Cairo", "Chicago", "Copenhagen", "Dublin", "Edinburgh", "Helsinki", "Istanbul",
-    "Jakarta", "Kyoto", "Lagos", "Lima", "Lisbon", "London", "Madrid", "Manila", "Melbourne",
-    "Montreal", "Mumbai", "Munich", "Nairobi", "Oslo", "Paris", "Prague", "Santiago", "Seoul",
-    "Singapore", "Stockholm", "Sydney", "Taipei", "Tokyo", "Toronto", "Vancouver", "Vienna",
-    "Warsaw", "Zurich",
-]  # fmt: skip
-
-CODE_SNIPPETS = [
-    """def moving_average(values, window):
-    x = 0.0
-    averages = []
-    for i, value in enumerate(values):
-        x += value
-        if i >= window:
-            x -= values[i - window]
-        if i >= window - 1:
-            averages.append(x / window)
-    return averages""",
-    """def parse_config(lines):
-    x = {}
-    for line in lines:
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        key, _, value = line.partition("=")
-        x[key.strip()] = value.strip()
-    if "name" not in x:
-        raise ValueError("the config has no name")
-    return x""",
-]
 
 
-def repeat_prompts(model: Path, count: int, seed: int) -> list[dict]:
-    """`count` prompts: numbered lists of 100-300 tokens (fruits or cities, deterministic
-    from `seed`) to repeat, and the code snippets to rewrite, the last two of them."""
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
-    rng = random.Random(seed)
-    prompts = []
-    for index in range(count - len(CODE_SNIPPETS)):
-        words = FRUITS if index % 2 == 0 else CITIES
-        target = rng.randint(100, 300)
-        items: list[str] = []
-        tokens, order = 0, []
-        while tokens < target:
-            # Every name once before any repeats: repeats would make "exactly" ambiguous.
-            order = order or rng.sample(words, len(words))
-            items.append(f"{len(items) + 1}. {order.pop().capitalize()}")
-            tokens = len(tokenizer.encode("\n".join(items)).ids)
-        text = "Repeat this list exactly, then add one item:\n" + "\n".join(items)
-        prompts.append({"index": index, "kind": "list", "list_tokens": tokens, "items": items, "text": text})
-    for snippet in CODE_SNIPPETS[: max(0, count - len(prompts))]:
-        ask = "Here is a code snippet; rewrite it exactly with variable x renamed to y:"
-        text = f"{ask}\n```python\n{snippet}\n```"
-        prompts.append({"index": len(prompts), "kind": "code", "text": text})
-    return prompts
-
-
-def server_command(system: str, model: Path, dtype: str, preload: bool = False) -> tuple[list[str], dict]:
-    """serving_peers's command for the base system, with --speculative-config for -ngram;
+def server_command(
+    system: str, model: Path, port: int, dtype: str, preload: bool = False
+) -> tuple[list[str], dict]:
+    """The base system's command (bench/servers.py), with --speculative-config for -ngram;
     with `preload`, vLLM gets the tcmalloc and Intel OpenMP preloads its CPU docs ask for
     (without libiomp5 it warns that speculation "will cause significant performance loss")."""
     base = system.removesuffix("-ngram")
-    command, env = peers.server_command(base, model, dtype)
+    if base == "kvserve":
+        command, env = kvserve_command(port, dtype), {}
+    else:
+        command, env = vllm_command(model, port, dtype), VLLM_ENV
     if base == "vllm" and preload:
-        libs = [p for p in (TCMALLOC, peers.VLLM_VENV / "lib" / "libiomp5.so") if p.exists()]
+        libs = [p for p in (TCMALLOC, VLLM_VENV / "lib" / "libiomp5.so") if p.exists()]
         env = {**env, "LD_PRELOAD": ":".join(str(p) for p in libs)}
     if system.endswith("-ngram"):
         command = command + ["--speculative-config", json.dumps(SPECULATIVE)]
     return command, env
 
 
-def stream_chat(prompt: str, max_tokens: int, extra: dict | None = None) -> dict:
+def stream_chat(url: str, prompt: str, max_tokens: int, extra: dict | None = None) -> dict:
     """One greedy streaming chat request: TTFT, TPOT from the usage's token count, the text."""
     body = {
         "model": BUNDLED_NAME,
@@ -163,15 +93,12 @@ def stream_chat(prompt: str, max_tokens: int, extra: dict | None = None) -> dict
     first = last = any_first = any_last = None
     usage = None
     pieces = []
-    with httpx.stream(
-        "POST", f"http://127.0.0.1:{PORT}/v1/chat/completions", json=body, timeout=600
-    ) as response:
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as response:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {response.read()[:500]!r}")
         for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+            if (event := sse_event(line)) is None:
                 continue
-            event = json.loads(line[len("data: ") :])
             if event.get("usage"):
                 usage = event["usage"]
             for choice in event.get("choices") or []:
@@ -205,85 +132,20 @@ def stream_chat(prompt: str, max_tokens: int, extra: dict | None = None) -> dict
     }
 
 
-def spec_counters() -> dict | None:
-    """The server's vllm:spec_decode_num_* counters (summed over labels), or None if none."""
-    try:
-        text = httpx.get(f"http://127.0.0.1:{PORT}/metrics", timeout=10).text
-    except httpx.HTTPError:
-        return None
-    counters: dict[str, float] = {}
-    for line in text.splitlines():
-        match = re.match(r"vllm:spec_decode_(num_\w+?)_total(?:\{[^}]*\})?\s+(\S+)$", line)
-        if match and "per_pos" not in match.group(1):
-            counters[match.group(1)] = counters.get(match.group(1), 0.0) + float(match.group(2))
-    return counters or None
-
-
-def acceptance(before: dict | None, after: dict | None) -> dict | None:
-    """Drafts, draft tokens and accepted tokens between two counter readings, and rates."""
-    if not before or not after:
-        return None
-    return with_rates({k: after[k] - before.get(k, 0.0) for k in after})
-
-
-def with_rates(delta: dict) -> dict:
-    """Counter deltas with the acceptance rate and mean acceptance length added."""
-    delta = {k: v for k, v in delta.items() if k.startswith("num_")}
-    drafts, drafted = delta.get("num_drafts", 0.0), delta.get("num_draft_tokens", 0.0)
-    accepted = delta.get("num_accepted_tokens", 0.0)
-    delta["acceptance_rate"] = accepted / drafted if drafted else None
-    # Tokens per verified step: the accepted drafts plus the token the step samples itself.
-    delta["mean_acceptance_length"] = 1 + accepted / drafts if drafts else None
-    return delta
-
-
-def items_echoed(items: list[str], answer: str) -> float:
-    """The share of a list's items the answer repeats, in order, before its first miss."""
-    lines = [line.strip() for line in answer.strip().splitlines() if line.strip()]
-    matched = 0
-    for item, line in zip(items, lines, strict=False):
-        if item != line:
-            break
-        matched += 1
-    return matched / len(items)
-
-
-def run_repeat(prompts: list[dict], max_tokens: int, extra: dict | None = None) -> dict:
-    stream_chat("Write one sentence about the sea.", 32, extra)  # warm-up
-    before = spec_counters()
+def run_repeat(url: str, prompts: list[dict], max_tokens: int, extra: dict | None = None) -> dict:
+    stream_chat(url, "Write one sentence about the sea.", 32, extra)  # warm-up
+    before = spec_counters(url)
     requests = []
     start = time.perf_counter()
     for prompt in prompts:
-        answer = stream_chat(prompt["text"], max_tokens, extra)
+        answer = stream_chat(url, prompt["text"], max_tokens, extra)
         requests.append({"prompt": prompt["index"], "kind": prompt["kind"], **answer})
     seconds = time.perf_counter() - start
     for prompt, request in zip(prompts, requests, strict=True):
         text = request.pop("text")
         if prompt["kind"] == "list":
             request["items_echoed"] = items_echoed(prompt["items"], text)
-    return repeat_summary(requests, max_tokens, seconds, acceptance(before, spec_counters()))
-
-
-def repeat_summary(requests: list[dict], max_tokens: int, seconds: float, spec: dict | None) -> dict:
-    tpots = [r["tpot_ms"] for r in requests if r["tpot_ms"] is not None]
-    echoed = [r["items_echoed"] for r in requests if "items_echoed" in r]
-    output_tokens = sum(r["output_tokens"] for r in requests)
-    return {
-        "num_prompts": len(requests),
-        "max_tokens": max_tokens,
-        "duration_s": seconds,
-        "median_tpot_ms": statistics.median(tpots),
-        "mean_tpot_ms": statistics.fmean(tpots),
-        "median_ttft_ms": statistics.median(r["ttft_s"] for r in requests) * 1000,
-        "mean_output_tokens": output_tokens / len(requests),
-        "mean_prompt_tokens": statistics.fmean(r["prompt_tokens"] for r in requests),
-        "output_throughput": output_tokens / seconds,
-        "spec_decode": spec,
-        # Does the model do the task? Empty answers (special tokens only) mean broken outputs.
-        "empty_answers": sum(r["text_head"] == "" for r in requests),
-        "mean_items_echoed": statistics.fmean(echoed) if echoed else None,
-        "requests": requests,
-    }
+    return repeat_summary(requests, max_tokens, seconds, acceptance(before, spec_counters(url)))
 
 
 def random_prompts(args, concurrency: int) -> int:
@@ -291,14 +153,14 @@ def random_prompts(args, concurrency: int) -> int:
     return args.num_prompts or min(max(32, 4 * concurrency), 128)
 
 
-def run_random(model: Path, args, runs: list[dict]) -> None:
+def run_random(url: str, model: Path, args, runs: list[dict]) -> None:
     """vllm bench serve at each concurrency, with one round's share of the prompts; each
     run appended to `runs` as it ends."""
     for concurrency in args.concurrency:
         num_prompts = -(-random_prompts(args, concurrency) // args.rounds)
-        before = spec_counters()
-        run = peers.bench_serve(model, args, concurrency, num_prompts)
-        run["spec_decode"] = acceptance(before, spec_counters())  # warm-ups included
+        before = spec_counters(url)
+        run = bench_serve(url, model, args.input_len, args.output_len, concurrency, num_prompts)
+        run["spec_decode"] = acceptance(before, spec_counters(url))  # warm-ups included
         runs.append(run)
         if run["failed"] or not run["completed"]:
             raise RuntimeError(f"random c{concurrency}: {run['failed']} of {num_prompts} requests failed")
@@ -315,32 +177,31 @@ def log_error(log_path: Path) -> tuple[str | None, list[str]]:
 
 def run_system(system: str, model: Path, prompts: list[dict], args) -> dict:
     """One round of a system: its server started, the workloads' share run, stopped."""
-    command, env = server_command(system, model, args.dtype, args.vllm_preload)
+    command, env = server_command(system, model, args.port, args.dtype, args.vllm_preload)
     log_path = Path(tempfile.gettempdir()) / f"spec_decode_{system}.log"
     print(f"{system}: {shlex.join(command)}", flush=True)
-    proc, log = peers.start_server(command, env, log_path)
+    server = Server(command, args.port, log_path, env).start()
+    url = server.url
     out = {"command": shlex.join(command), "env": env, "log": str(log_path), "load_average": os.getloadavg()}
     try:
-        out["ready_after_s"] = peers.wait_ready(proc, timeout=args.ready_timeout)
-        out["repeat"] = run_repeat(prompts, args.max_tokens)
+        out["ready_after_s"] = server.wait_ready(timeout_s=args.ready_timeout)
+        out["repeat"] = run_repeat(url, prompts, args.max_tokens)
         print(f"  repeat: median TPOT {out['repeat']['median_tpot_ms']:.1f} ms, "
               f"{out['repeat']['output_throughput']:.1f} tok/s, "
               f"{out['repeat']['mean_output_tokens']:.0f} tokens/answer, "
               f"spec {out['repeat']['spec_decode']}", flush=True)  # fmt: skip
         if args.opt_out and system.endswith("-ngram"):
             # The same prompts with the per-request opt-out: should match the base system.
-            out["repeat_opted_out"] = run_repeat(prompts, args.max_tokens, {"speculative": False})
+            out["repeat_opted_out"] = run_repeat(url, prompts, args.max_tokens, {"speculative": False})
         out["random"] = []
-        run_random(model, args, out["random"])
+        run_random(url, model, args, out["random"])
     except Exception as error:  # noqa: BLE001 - recorded, and the next system runs
-        log.flush()
+        server.log.flush()
         out["error"] = f"{type(error).__name__}: {error}"
         out["server_error"], out["log_tail"] = log_error(log_path)
         print(f"  FAILED: {out['error']}\n  server: {out['server_error']}", flush=True)
     finally:
-        # Not `ray stop --force` (serving_peers's way): it would end other people's Rays too.
-        out.update(peers.stop_server(proc, log, ray_stop=False))
-        out["leftover_processes_killed"] = kill_session(proc.pid)
+        out.update(server.stop())
         out["speculation_warnings"] = speculation_warnings(log_path)
     return out
 
@@ -356,151 +217,7 @@ def speculation_warnings(log_path: Path) -> list[str]:
     return found
 
 
-def kill_session(session: int) -> int:
-    """SIGKILL what is left of the server's session (it was started in a session of its own,
-    and Ray's processes stay in it): how many processes were left."""
-    killed = 0
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[3]) == session:  # field 6 of stat: the session id
-                os.kill(int(stat.parent.name), signal.SIGKILL)
-                killed += 1
-        except (OSError, ValueError, IndexError):
-            pass
-    return killed
-
-
-def merge_rounds(rounds: list[dict]) -> dict:
-    """A system's rounds as one result: the repeat requests in prompt order, and at each
-    random concurrency the tokens over the seconds of all its runs (the medians are the
-    rounds' means); each round's own figures kept under "rounds"."""
-    out = {"command": rounds[0]["command"], "env": rounds[0]["env"], "rounds": rounds}
-    failed = [r for r in rounds if "error" in r]
-    if failed:
-        return {**out, **{k: failed[0][k] for k in ("error", "server_error", "log_tail") if k in failed[0]}}
-    for key in ("repeat", "repeat_opted_out"):
-        if key in rounds[0]:
-            out[key] = _merge_repeats([r[key] for r in rounds])
-    out["random"] = []
-    for runs in zip(*(r["random"] for r in rounds), strict=True):
-        seconds = sum(run["duration"] for run in runs)
-        tokens = sum(run["output_throughput"] * run["duration"] for run in runs)
-        merged = {"concurrency": runs[0]["concurrency"], "duration": seconds}
-        merged["output_throughput"] = tokens / seconds
-        for key in ("num_prompts", "completed", "failed"):
-            merged[key] = sum(run[key] for run in runs)
-        for key in ("median_ttft_ms", "median_tpot_ms", "median_itl_ms"):
-            merged[key] = statistics.fmean(run[key] for run in runs)
-        merged["spec_decode"] = sum_counters([run["spec_decode"] for run in runs])
-        out["random"].append(merged)
-    return out
-
-
-def _merge_repeats(repeats: list[dict]) -> dict:
-    requests = sorted((q for rep in repeats for q in rep["requests"]), key=lambda q: q["prompt"])
-    seconds = sum(rep["duration_s"] for rep in repeats)
-    spec = sum_counters([rep["spec_decode"] for rep in repeats])
-    return repeat_summary(requests, repeats[0]["max_tokens"], seconds, spec)
-
-
-def sum_counters(deltas: list[dict | None]) -> dict | None:
-    if any(d is None for d in deltas):
-        return None
-    keys = {k for d in deltas for k in d if k.startswith("num_")}
-    return with_rates({k: sum(d.get(k, 0.0) for d in deltas) for k in keys})
-
-
-def compare(base: dict, spec: dict) -> dict | None:
-    """`spec` against `base`: repeat TPOT speedup, random throughput ratios, same answers."""
-    if "error" in base or "error" in spec:
-        return None
-    out = {
-        "repeat_median_tpot_speedup": base["repeat"]["median_tpot_ms"] / spec["repeat"]["median_tpot_ms"],
-        "repeat_output_throughput_ratio": spec["repeat"]["output_throughput"]
-        / base["repeat"]["output_throughput"],
-        "repeat_same_answers": sum(
-            a["text_sha1"] == b["text_sha1"]
-            for a, b in zip(base["repeat"]["requests"], spec["repeat"]["requests"], strict=True)
-        ),
-        "repeat_num_prompts": len(base["repeat"]["requests"]),
-    }
-    if "repeat_opted_out" in spec:  # "speculative": false should cost nothing
-        opted = spec["repeat_opted_out"]
-        out["repeat_opted_out_median_tpot_over_base"] = (
-            opted["median_tpot_ms"] / base["repeat"]["median_tpot_ms"]
-        )
-        out["repeat_opted_out_same_answers"] = sum(
-            a["text_sha1"] == b["text_sha1"]
-            for a, b in zip(base["repeat"]["requests"], opted["requests"], strict=True)
-        )
-    for a, b in zip(base["random"], spec["random"], strict=True):
-        c = a["concurrency"]
-        out[f"random_c{c}_output_throughput_ratio"] = b["output_throughput"] / a["output_throughput"]
-        out[f"random_c{c}_median_tpot_ratio"] = b["median_tpot_ms"] / a["median_tpot_ms"]
-    return out
-
-
-def summarize(systems: dict) -> dict:
-    summary = {}
-    for name in ("kvserve", "vllm"):
-        if name in systems and f"{name}-ngram" in systems:
-            summary[f"{name}_ngram_over_{name}"] = compare(systems[name], systems[f"{name}-ngram"])
-    kv = summary.get("kvserve_ngram_over_kvserve")
-    if kv:
-        summary["bars"] = {
-            "repeat_median_tpot_speedup": {
-                "bar": REPEAT_TPOT_SPEEDUP_BAR,
-                "value": kv["repeat_median_tpot_speedup"],
-                "pass": kv["repeat_median_tpot_speedup"] >= REPEAT_TPOT_SPEEDUP_BAR,
-            },
-            **{
-                key: {
-                    "bar": RANDOM_THROUGHPUT_RATIO_BAR,
-                    "value": kv[key],
-                    "pass": kv[key] >= RANDOM_THROUGHPUT_RATIO_BAR,
-                }
-                for key in kv
-                if key.startswith("random_") and key.endswith("_output_throughput_ratio")
-            },
-        }
-    # Absolute figures side by side: median TPOT (ms) and output tok/s per workload.
-    table = {}
-    for name, result in systems.items():
-        if "error" in result:
-            table[name] = {"error": result.get("server_error") or result["error"]}
-            continue
-        row = {"repeat_median_tpot_ms": result["repeat"]["median_tpot_ms"],
-               "repeat_output_throughput": result["repeat"]["output_throughput"],
-               "repeat_mean_output_tokens": result["repeat"]["mean_output_tokens"]}  # fmt: skip
-        row["repeat_empty_answers"] = result["repeat"]["empty_answers"]
-        row["repeat_mean_items_echoed"] = result["repeat"]["mean_items_echoed"]
-        spec = result["repeat"]["spec_decode"]
-        if spec:
-            row["repeat_acceptance_rate"] = spec["acceptance_rate"]
-            row["repeat_mean_acceptance_length"] = spec["mean_acceptance_length"]
-        for run in result["random"]:
-            row[f"random_c{run['concurrency']}_output_throughput"] = run["output_throughput"]
-            row[f"random_c{run['concurrency']}_median_tpot_ms"] = run["median_tpot_ms"]
-        table[name] = row
-    summary["table"] = table
-    # kvserve next to vLLM: the speedups from speculation, and the absolute repeat TPOTs.
-    vl = summary.get("vllm_ngram_over_vllm")
-    if kv and vl:
-        tpot = {name: table[name]["repeat_median_tpot_ms"] for name in SYSTEMS}
-        summary["kvserve_vs_vllm"] = {
-            "repeat_median_tpot_ms": tpot,
-            "repeat_median_tpot_speedup": {
-                "kvserve": kv["repeat_median_tpot_speedup"],
-                "vllm": vl["repeat_median_tpot_speedup"],
-            },
-            "kvserve_ngram_tpot_over_vllm_ngram_tpot": tpot["kvserve-ngram"] / tpot["vllm-ngram"],
-        }
-    return summary
-
-
 def main() -> None:
-    global PORT
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -523,29 +240,25 @@ def main() -> None:
     )
     parser.add_argument("--port", type=int, default=PORT, help="the server's (kvserve's gRPC: port + 1)")
     parser.add_argument("--ready-timeout", type=float, default=900)
-    parser.add_argument("--out", type=Path, default=None, help="default bench/results/spec_decode_cpu.json")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="default: bench/results/spec_decode_<machine>.json"
+    )
     parser.add_argument("--rounds", type=int, default=2, help="the systems in turns, ABBA")
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--smoke", action="store_true", help="tiny run, written to the temp dir")
     args = parser.parse_args()
-    if args.quick:
+    if args.smoke:
         args.repeat_prompts, args.max_tokens = 3, 96
         args.num_prompts, args.output_len, args.rounds = 8, 16, 1
-    if args.out is None:
-        args.out = RESULTS / ("spec_decode_cpu_quick.json" if args.quick else "spec_decode_cpu.json")
-    if any(s.startswith("vllm") for s in args.systems) and not (peers.VLLM_VENV / "bin/vllm").exists():
+    if any(s.startswith("vllm") for s in args.systems) and not (VLLM_VENV / "bin/vllm").exists():
         sys.exit("the vLLM peer is missing: run bash bench/setup_vllm.sh first")
-    # serving_peers's helpers (server_command, wait_ready, bench_serve) read its PORT.
-    PORT = peers.PORT = args.port
     model = resolve_model(None)
     prompts = repeat_prompts(model, args.repeat_prompts, args.seed)
+    # The load average before the run: the figures are only worth something on a quiet machine.
+    host = machine(platform=platform.platform(), load_average=os.getloadavg())
     result = {
-        "benchmark": "spec_decode",
-        # The load average before the run: the figures are only worth something on a quiet machine.
-        "machine": machine(platform=platform.platform(), load_average=os.getloadavg()),
         "dtype": args.dtype,
         "model": BUNDLED_NAME,
         "speculative_config": SPECULATIVE,
-        "quick": args.quick,
         "workloads": {
             "repeat": f"{len(prompts)} chat prompts (lists to repeat, code to rewrite), greedy, "
             f"max_tokens {args.max_tokens}, concurrency 1, own streaming client, 1 warm-up",
@@ -571,10 +284,9 @@ def main() -> None:
             rounds[system].append(run_system(system, model, prompts[r :: args.rounds], args))
         result["systems"] = {system: merge_rounds(rounds[system]) for system in args.systems}
         result.update(summarize(result["systems"]))
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2))  # after each round, in case of a crash
-    print(json.dumps({k: result[k] for k in result if k not in ("machine", "systems")}, indent=2))
-    print(f"wrote {args.out}")
+        path = write_result("spec_decode", args, result, host, args.out, args.smoke)  # after each round
+    print(json.dumps({k: result[k] for k in result if k != "systems"}, indent=2))
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ with random-token prompts in waves that alternate between speculating requests a
 requests that opt out (`"speculative": false`), in ABBA order, each pair of waves on the
 same prompts.
 
-bench/spec_decode.py compares separate servers, one after the other; on a machine whose
+bench.spec_decode compares separate servers, one after the other; on a machine whose
 speed drifts by 10-15% over minutes, that reads the drift as well as any overhead. Here
 both halves run on the same server in alternating waves of a few seconds, so what
 differs between them is speculation itself: proposals made and verified (rarely, on
@@ -17,7 +17,7 @@ default sampling, as `vllm bench serve --dataset-name random --ignore-eos` sends
 then predict); its throughput is the output tokens over the seconds from its first
 request to its last answer.
 
-    python bench/spec_overhead.py    # bench/results/spec_overhead_cpu.json
+    python -m bench.spec_overhead    # bench/results/spec_overhead_<machine>.json
 """
 
 import argparse
@@ -27,26 +27,24 @@ import os
 import platform
 import random
 import statistics
-import sys
+import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from bench.machine import machine, write_result
+from bench.servers import Server
+from bench.spec_decode import PORT, SPECULATIVE, server_command
+from bench.spec_results import acceptance, spec_counters, sum_counters
+from replica.model_loader import BUNDLED_NAME, resolve_model
 
-import bench.serving_peers as peers  # noqa: E402
-import bench.spec_decode as spec_decode  # noqa: E402
-from bench.machine import machine  # noqa: E402
-from replica.model_loader import BUNDLED_NAME, resolve_model  # noqa: E402
-
-RESULTS = ROOT / "bench" / "results"
 ON, OFF = "speculative", "opted_out"
 
 
-async def wave(prompts: list[list[int]], concurrency: int, output_len: int, speculative: bool) -> dict:
+async def wave(
+    url: str, prompts: list[list[int]], concurrency: int, output_len: int, speculative: bool
+) -> dict:
     """The prompts at most `concurrency` at a time: output tokens and seconds."""
     limit = asyncio.Semaphore(concurrency)
 
@@ -56,7 +54,7 @@ async def wave(prompts: list[list[int]], concurrency: int, output_len: int, spec
             "speculative": speculative,
         }  # fmt: skip
         async with limit:
-            response = await client.post(f"http://127.0.0.1:{peers.PORT}/v1/completions", json=body)
+            response = await client.post(f"{url}/v1/completions", json=body)
         response.raise_for_status()
         return response.json()["usage"]["completion_tokens"]
 
@@ -67,7 +65,7 @@ async def wave(prompts: list[list[int]], concurrency: int, output_len: int, spec
     return {"tokens": sum(tokens), "seconds": seconds, "output_throughput": sum(tokens) / seconds}
 
 
-def measure(concurrency: int, args, rng: random.Random, vocab: int) -> dict:
+def measure(url: str, concurrency: int, args, rng: random.Random, vocab: int) -> dict:
     """--waves pairs of waves, ABBA; each pair on the same fresh prompts."""
     per_wave = max(args.wave_requests, concurrency)
 
@@ -76,16 +74,16 @@ def measure(concurrency: int, args, rng: random.Random, vocab: int) -> dict:
 
     warm = prompts()
     for speculative in (True, False):  # one untimed wave of each
-        asyncio.run(wave(warm, concurrency, args.output_len, speculative))
+        asyncio.run(wave(url, warm, concurrency, args.output_len, speculative))
     waves: dict[str, list[dict]] = {ON: [], OFF: []}
     pair_ratios = []
     for i in range(args.waves):
         batch = prompts()
         order = (ON, OFF) if i % 2 == 0 else (OFF, ON)
         for mode in order:
-            before = spec_decode.spec_counters()
-            result = asyncio.run(wave(batch, concurrency, args.output_len, mode == ON))
-            result["spec_decode"] = spec_decode.acceptance(before, spec_decode.spec_counters())
+            before = spec_counters(url)
+            result = asyncio.run(wave(url, batch, concurrency, args.output_len, mode == ON))
+            result["spec_decode"] = acceptance(before, spec_counters(url))
             waves[mode].append(result)
         pair_ratios.append(waves[ON][-1]["output_throughput"] / waves[OFF][-1]["output_throughput"])
     totals = {
@@ -98,8 +96,8 @@ def measure(concurrency: int, args, rng: random.Random, vocab: int) -> dict:
         "speculative_over_opted_out": totals[ON] / totals[OFF],
         "pair_ratios": pair_ratios,
         "median_pair_ratio": statistics.median(pair_ratios),
-        "proposals": spec_decode.sum_counters([w["spec_decode"] for w in waves[ON]]),
-        "proposals_opted_out": spec_decode.sum_counters([w["spec_decode"] for w in waves[OFF]]),
+        "proposals": sum_counters([w["spec_decode"] for w in waves[ON]]),
+        "proposals_opted_out": sum_counters([w["spec_decode"] for w in waves[OFF]]),
         "waves": waves,
     }
     print(
@@ -122,19 +120,19 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--port", type=int, default=peers.PORT)
-    parser.add_argument("--out", type=Path, default=RESULTS / "spec_overhead_cpu.json")
+    parser.add_argument("--port", type=int, default=PORT)
+    parser.add_argument(
+        "--out", type=Path, default=None, help="default: bench/results/spec_overhead_<machine>.json"
+    )
     args = parser.parse_args()
-    peers.PORT = spec_decode.PORT = args.port
     model = resolve_model(None)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    command, env = spec_decode.server_command("kvserve-ngram", model, args.dtype)
+    command, env = server_command("kvserve-ngram", model, args.port, args.dtype)
+    host = machine(platform=platform.platform(), load_average=os.getloadavg())
     result = {
-        "benchmark": "spec_overhead",
-        "machine": machine(platform=platform.platform(), load_average=os.getloadavg()),
         "dtype": args.dtype,
         "model": BUNDLED_NAME,
-        "speculative_config": spec_decode.SPECULATIVE,
+        "speculative_config": SPECULATIVE,
         "command": " ".join(command),
         "workload": f"waves of max({args.wave_requests}, concurrency) random-token prompts, "
         f"{args.input_len} in / {args.output_len} out, default sampling, EOS ignored; {args.waves} pairs of "
@@ -142,18 +140,17 @@ def main() -> None:
         "prompts, after one untimed wave of each",
         "runs": [],
     }
-    proc, log = peers.start_server(command, env, Path("/tmp/spec_overhead_kvserve.log"))
+    server = Server(
+        command, args.port, Path(tempfile.gettempdir()) / "spec_overhead_kvserve.log", env
+    ).start()
     try:
-        result["ready_after_s"] = peers.wait_ready(proc)
+        result["ready_after_s"] = server.wait_ready()
         rng = random.Random(args.seed)
         for concurrency in args.concurrency:
-            result["runs"].append(measure(concurrency, args, rng, vocab))
+            result["runs"].append(measure(server.url, concurrency, args, rng, vocab))
     finally:
-        result.update(peers.stop_server(proc, log, ray_stop=False))
-        result["leftover_processes_killed"] = spec_decode.kill_session(proc.pid)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+        result.update(server.stop())
+    print(f"wrote {write_result('spec_overhead', args, result, host, args.out)}")
 
 
 if __name__ == "__main__":

@@ -10,27 +10,20 @@ runner (the engine's own forward, on contexts of --context tokens) and reports t
 and the break-even: the accepted tokens per request per step needed for speculation to
 be no slower.
 
-    python bench/spec_step_cost.py    # bench/results/spec_step_cost_cpu.json
+    python -m bench.spec_step_cost    # bench/results/spec_step_cost_<machine>.json
 """
 
 import argparse
-import json
-import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-from bench.machine import machine  # noqa: E402
-from replica.config import EngineConfig  # noqa: E402
-from replica.model_loader import resolve_model  # noqa: E402
-from replica.model_runner import ModelRunner  # noqa: E402
+from bench.machine import write_result
+from replica.config import EngineConfig
+from replica.model_loader import resolve_model
+from replica.model_runner import ModelRunner
 
 
 def time_step(
@@ -61,7 +54,9 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "spec_step_cost_cpu.json")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="default: bench/results/spec_step_cost_<machine>.json"
+    )
     args = parser.parse_args()
 
     block_size = 16
@@ -94,16 +89,13 @@ def main() -> None:
             f"verify {k}+1 {verify * 1e3:7.1f} ms, ratio {ratio:.2f}"
         )
     result = {
-        "machine": machine(),
         "model": "bundled SmolLM2-135M-Instruct",
         "dtype": args.dtype,
         "context": args.context,
         "num_speculative_tokens": k,
         "rows": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    print(f"wrote {write_result('spec_step_cost', args, result, path=args.out)}")
 
 
 if __name__ == "__main__":

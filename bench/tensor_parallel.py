@@ -6,30 +6,23 @@ Each step of a TP replica runs 2 all-reduces per layer, one for the embedding an
 gather for the logits; on GPUs NCCL does each in microseconds, on a CPU gloo goes
 through loopback TCP. This bench says how much that is here.
 
-    python bench/tensor_parallel.py   # writes bench/results/tensor_parallel_cpu.json
+    python -m bench.tensor_parallel   # bench/results/tensor_parallel_<machine>.json
 """
 
 import argparse
 import json
 import multiprocessing
-import os
-import socket
 import statistics
-import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import ray
+import torch
+import torch.distributed as dist
 
-import ray  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from bench.machine import machine  # noqa: E402
-from kvserve import LLM, SamplingParams  # noqa: E402
-
-RESULTS = Path(__file__).parent / "results" / "tensor_parallel_cpu.json"
+from bench.machine import machine, write_result
+from bench.servers import free_port
+from kvserve import LLM, SamplingParams
 
 
 def throughput(llm: LLM, num_requests: int, output_len: int, repeats: int) -> dict:
@@ -61,9 +54,7 @@ def _all_reduce_loop(rank: int, port: int, shape: tuple[int, int], n: int, out) 
 
 
 def gloo_all_reduce_s(shape: tuple[int, int], n: int = 300) -> float:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     context = multiprocessing.get_context("spawn")
     out = context.Queue()
     ranks = [context.Process(target=_all_reduce_loop, args=(r, port, shape, n, out)) for r in range(2)]
@@ -79,6 +70,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--out", type=Path, default=None, help="default: bench/results/tensor_parallel_<machine>.json"
+    )
     args = parser.parse_args()
 
     torch.set_num_threads(1)  # one thread per rank; Ray gives the worker one too
@@ -95,8 +89,8 @@ def main() -> None:
     ray.shutdown()
     latency = gloo_all_reduce_s((args.requests, hidden))
     collectives = 2 * num_layers + 2  # per layer attention and MLP, the embedding, the logits
+    host = machine(threads=1, ray=ray.__version__)  # one thread per rank
     report = {
-        "machine": machine(threads=1, ray=ray.__version__),  # one thread per rank
         "model": "SmolLM2-135M-Instruct (bundled), bf16",
         "workload": {"requests": args.requests, "output_len": args.output_len, "submitted": "all at once"},
         "single_run": True,
@@ -111,9 +105,8 @@ def main() -> None:
         # engine a collective waits on the other rank's compute as well.
         "gloo_all_reduce_ms_isolated": latency * 1e3,
     }
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
+    print(f"wrote {write_result('tensor_parallel', args, report, host, args.out)}")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""vLLM as a benchmark peer, run by bench/offline.py inside vLLM's own venv (.venv-vllm,
-made by bench/setup_vllm.sh); it imports nothing from kvserve.
+"""vLLM as a benchmark peer, run by bench.offline (through bench/peers.py) as a file inside
+vLLM's own venv (.venv-vllm, made by bench/setup_vllm.sh); it imports nothing from kvserve.
 
 It talks JSON lines over stdin/stdout, so the vLLM engine is built once and stays loaded
 while the other systems take their turns on the same workloads:

@@ -9,21 +9,22 @@
 # Steps, each run whatever became of the ones before it, each within its own time budget:
 #   1. install .whl/ into a temporary directory put on PYTHONPATH (the image has no registry);
 #   2. print the versions, nvidia-smi and the device;
-#   3. check that the engine, the offline API and bench/gpu.py import without Ray;
+#   3. check that the engine, the offline API and bench.gpu import without Ray;
 #   4. the GPU tests (tests/test_gpu_path.py, tests/test_quantized_linear.py,
 #      tests/test_triton_attention.py, tests/test_lora_kernels.py): past their budget the
 #      rest are skipped, not started (tests/conftest.py), so the log and the JUnit XML
 #      name what ran;
-#   5. bench/gpu.py, which keeps its own budget and writes its JSON after every part;
-#   6. bench/quantized_gemm.py: int8 and fp8 weights against bf16 (GEMMs, then the engine),
-#      likewise.
+#   5. python -m bench.gpu, which keeps its own budget and writes its JSON after every part;
+#   6. python -m bench.quantized_gemm: int8 and fp8 weights against bf16 (GEMMs, then the
+#      engine), likewise.
 # On an H200 steps 1-5 took 6 minutes; step 6 is held to 2.5 more.
 #
-# Output, under $OUT when set (the device tool sets it), else bench/results/ (rehearsal:
-# ${TMPDIR:-/tmp}/kvserve-device-rehearsal): device_check.log (versions, each step's
-# status and time), pytest.log, pytest_gpu_path.xml and pytest_triton.xml (JUnit),
-# gpu_<device>.json, gpu_bench.log, quantized_gemm_<device>.json and quantized_gemm.log.
-# The exit code is 0 only if every step passed.
+# Output, under $OUT when set (the device tool sets it), else ${TMPDIR:-/tmp}/kvserve-device-check
+# (rehearsal: ${TMPDIR:-/tmp}/kvserve-device-rehearsal): device_check.log (versions, each
+# step's status and time), pytest.log, pytest_gpu_path.xml and pytest_triton.xml (JUnit),
+# gpu_<gpu>.json, gpu_bench.log, quantized_gemm_<gpu>.json and quantized_gemm.log. The
+# JSONs are the results to commit under bench/results/; the logs stay out of it. The exit
+# code is 0 only if every step passed.
 #
 # --rehearse proves on a CPU machine that the import closure, the carried files and the
 # versions are enough: a venv (.venv-device) holds the image's versions where they install
@@ -49,7 +50,7 @@ if [ $REHEARSE -eq 1 ]; then
   QUANT_HARD_S=${QUANT_HARD_S:-120}
   export TRITON_INTERPRET=1
 else
-  OUT=${OUT:-bench/results}
+  OUT=${OUT:-${TMPDIR:-/tmp}/kvserve-device-check}
   TESTS_BUDGET_S=${TESTS_BUDGET_S:-140}
   BENCH_ARGS=(--budget-s "${BENCH_BUDGET_S:-210}")
   BENCH_HARD_S=${BENCH_HARD_S:-285}
@@ -167,8 +168,8 @@ import bench.quantized_gemm  # noqa: F401
 import replica.attention.triton_backend  # noqa: F401
 from kvserve import LLM  # noqa: F401
 
-assert "ray" not in sys.modules, "the engine, LLM or bench/gpu.py imported Ray"
-print("the engine, LLM, the attention backends and bench/gpu.py import without Ray")
+assert "ray" not in sys.modules, "the engine, LLM or bench.gpu imported Ray"
+print("the engine, LLM, the attention backends and bench.gpu import without Ray")
 PY
 }
 export -f imports
@@ -193,11 +194,11 @@ export OUT KVSERVE_TESTS_DEADLINE=$(($(date +%s) + TESTS_BUDGET_S))
 export -f gpu_tests
 step "GPU tests" "test budget ran out" "$OUT/pytest.log" $((TESTS_BUDGET_S + 30)) bash -c gpu_tests
 
-step "bench/gpu.py" "cut short:" "$OUT/gpu_bench.log" "$BENCH_HARD_S" \
-  "$PYTHON" bench/gpu.py --out-dir "$OUT" "${BENCH_ARGS[@]}"
+step "bench.gpu" "cut short:" "$OUT/gpu_bench.log" "$BENCH_HARD_S" \
+  "$PYTHON" -m bench.gpu --out-dir "$OUT" "${BENCH_ARGS[@]}"
 
-step "bench/quantized_gemm.py" "" "$OUT/quantized_gemm.log" "$QUANT_HARD_S" \
-  "$PYTHON" bench/quantized_gemm.py --out-dir "$OUT" "${QUANT_ARGS[@]}"
+step "bench.quantized_gemm" "" "$OUT/quantized_gemm.log" "$QUANT_HARD_S" \
+  "$PYTHON" -m bench.quantized_gemm --out-dir "$OUT" "${QUANT_ARGS[@]}"
 
 rm -rf "$SITE" "$OUT/install.log" "$OUT/versions.log" "$OUT/imports.log"
 log ""

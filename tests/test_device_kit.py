@@ -109,10 +109,10 @@ def test_check_refuses_a_stray_or_missing_wheel_a_missing_tokenizer_and_an_overs
     assert refused.returncode != 0 and "over the limit of 1 MiB" in refused.stderr
 
 
-def smoke_run(script: str, out: Path) -> tuple[dict, str]:
+def smoke_run(module: str, out: Path) -> tuple[dict, str]:
     """A benchmark's --smoke run, writing `out`: its JSON and its output."""
     done = subprocess.run(
-        [sys.executable, script, "--smoke", "--out", str(out)],
+        [sys.executable, "-m", module, "--smoke", "--out", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -123,7 +123,7 @@ def smoke_run(script: str, out: Path) -> tuple[dict, str]:
 
 
 def test_gpu_bench_smoke_writes_every_section(tmp_path):
-    result, stdout = smoke_run("bench/gpu.py", tmp_path / "gpu.json")
+    result, stdout = smoke_run("bench.gpu", tmp_path / "gpu.json")
     assert result["complete"] and result["smoke"] and result["device"] == "cpu"
     sections = ["engine", "cuda_graphs", "batch1_decode", "decode_kernel", "hf_model"]
     for key in sections:
@@ -152,7 +152,7 @@ def test_gpu_bench_smoke_writes_every_section(tmp_path):
 
 
 def test_quantized_gemm_smoke_times_every_kernel_on_every_shape(tmp_path):
-    result, _ = smoke_run("bench/quantized_gemm.py", tmp_path / "quantized_gemm.json")
+    result, _ = smoke_run("bench.quantized_gemm", tmp_path / "quantized_gemm.json")
     assert result["device"] == "cpu" and result["machine"]["torch"] == __import__("torch").__version__
     assert result["engines"] == {"status": "skipped", "reason": "the engine part runs on CUDA only"}
     kernels = {"float32", "bfloat16", "int8", "fp8", "fp8_weight_only"}

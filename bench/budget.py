@@ -1,10 +1,13 @@
-"""bench/gpu.py's bookkeeping for a short GPU lease: the run's time budget, and the JSON
-report that says of every part whether it ran, was cut short, skipped or failed."""
+"""The bookkeeping of a run on a short GPU lease (bench.gpu, bench.quantized_gemm): the
+run's time budget, and the result that says of every part whether it ran, was cut short,
+skipped or failed."""
 
-import json
+import argparse
 import time
 import traceback
 from pathlib import Path
+
+from bench.machine import write_result
 
 STARTED = time.perf_counter()
 BUDGET_SPENT = "not started: the run's budget was spent"
@@ -38,15 +41,15 @@ def failed(error: Exception) -> dict:
 
 
 class Report:
-    """The JSON being built, written again after every part so that a run killed from
+    """The result being built, written again after every part so that a run killed from
     outside still leaves what it measured."""
 
-    def __init__(self, path: Path, result: dict):
-        self.path, self.result = path, result
+    def __init__(self, path: Path, benchmark: str, args: argparse.Namespace, machine: dict):
+        self.path, self.benchmark, self.args, self.machine = path, benchmark, args, machine
+        self.result: dict = {}
 
     def write(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(json.dumps(self.result, indent=2, default=str))
+        write_result(self.benchmark, self.args, self.result, self.machine, self.path)
 
     def section(self, key: str, part) -> object | None:
         """Run one part; a failure is recorded as its section and the run goes on."""
@@ -65,7 +68,7 @@ class Report:
             for key, value in self.result.items()
             if isinstance(value, dict) and "status" in value
         ]
-        for system, caps in self.result["throughput"].items():
+        for system, caps in self.result.get("throughput", {}).items():
             out += [(f"{system} cap {cap}", run) for cap, run in caps.items()]
         return out
 
