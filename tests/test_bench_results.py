@@ -29,3 +29,10 @@ def test_result_names_its_machine(path):
         f"{path.name} records no CPU model or GPU"
     )
     assert f"_{machine_name(machine)}" in path.stem, (path.name, machine_name(machine))
+
+
+def test_benchmarks_page_is_written_from_the_results():
+    """docs/benchmarks.md is `python -m bench.report`'s page of these results."""
+    from bench.report import PAGE, render
+
+    assert PAGE.read_text() == render(), "docs/benchmarks.md is stale: run `python -m bench.report`"
