@@ -103,7 +103,9 @@ def render(results: Path = RESULTS) -> str:
             if path.with_suffix(".png").exists():
                 link += f" ([figure](../bench/results/{path.with_suffix('.png').name}))"
             threads = record["machine"].get("threads")
-            machine = machine_name(record["machine"]) + (f", {threads} threads" if threads else "")
+            machine = machine_name(record["machine"]) + (
+                f", {threads} thread{'s' * (threads != 1)}" if threads else ""
+            )
             body.append([link, machine, commit_of(record), *(cells.get(key, "") for key in extra)])
         out += table(["result", "machine", "commit", *extra], body)
     return "\n".join(out) + "\n"

@@ -131,11 +131,17 @@ def serving_peers(record: dict) -> dict[str, str]:
 
 
 def serving(record: dict) -> dict[str, str]:
+    """TTFT and throughput at each arrival rate, then each router against the other."""
     out = {}
+    for run in record.get("rates", []):
+        throughput = number(run["output_tokens_per_s"])
+        out[f"{run['rate_rps']:g} req/s"] = f"TTFT p50 {number(run['ttft_p50_s'])} s, {throughput} tok/s"
     if "routing" in record:
         out["p99 TTFT, kv over pow2"] = ratio(record["routing"]["p99_ttft_kv_over_pow2"])
     for key, runs in record.get("prefix", {}).items():
         out[f"prefix hits kv over pow2, {key.replace('_', ' ')}"] = ratio(runs["hit_rate_kv_over_pow2"])
+    for router, bursts in record.get("bursts", {}).items():
+        out[f"bursts, busiest replica's share ({router})"] = number(bursts["max_busiest_share"])
     return out
 
 
