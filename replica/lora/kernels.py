@@ -28,7 +28,7 @@ def lora_delta_torch(
 
 
 # On CUDA the Triton kernels (one program per token) win up to this many rows and the
-# masked GEMMs past it (bench/lora.py on an H200: bench/results/lora_cuda.json).
+# masked GEMMs past it (python -m bench.lora on an H200: bench/results/lora_nvidia_h200.json).
 TRITON_MAX_ROWS = 128
 
 
