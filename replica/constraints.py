@@ -12,6 +12,7 @@ import llguidance
 import llguidance.hf
 import torch
 
+from replica.request import Request
 from wire.sampling_params import StructuredOutputs
 
 COMPILED_GRAMMARS_KEPT = 256
@@ -58,6 +59,17 @@ class GrammarCompiler:
         allowed[:, :covered] = bits.view(len(rows), -1)[:, :covered].bool()
         index = torch.tensor(rows, device=device)
         logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+
+@torch.inference_mode()  # the logits are inference tensors
+def edit_logits(logits: torch.Tensor, requests: list[Request], grammars: GrammarCompiler | None) -> None:
+    """Apply the requests' logit biases and grammar masks to their rows (row i: requests[i])."""
+    biased = [(row, r.params.logit_bias) for row, r in enumerate(requests) if r.params.logit_bias]
+    if biased:
+        apply_logit_bias(logits, *map(list, zip(*biased, strict=True)))
+    constrained = [(row, r.matcher) for row, r in enumerate(requests) if r.matcher is not None]
+    if constrained:
+        grammars.mask(logits, *map(list, zip(*constrained, strict=True)))
 
 
 def apply_logit_bias(logits: torch.Tensor, rows: list[int], biases: list[dict[int, float]]) -> None:

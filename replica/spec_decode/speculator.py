@@ -9,6 +9,7 @@ token sampled before the next), is still prefilling, or is paused by its accepta
 (acceptance.py)."""
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import llguidance
 import torch
@@ -114,6 +115,10 @@ class Speculator:
             request.spec_token_ids, request.spec_probs = [], None
             verified.append((request, result))
         return verified
+
+    def stats_snapshot(self) -> SpecDecodeStats:
+        """A copy: the stats cross to other threads while the engine steps."""
+        return replace(self.stats, accepted_per_pos=list(self.stats.accepted_per_pos))
 
     def drop(self, request_id: str) -> None:
         """A request finished or was preempted: its draft KV, if any, goes."""
