@@ -4,7 +4,9 @@ For a change that must not cost speed (structured outputs, say, must not slow re
 that use none): each commit is checked out in a git worktree, and each tree's own
 offline benchmark runs `--systems kvserve_continuous` in turns, round after round, so
 that machine noise falls on both. The result is each workload's output tok/s per commit
-(median over the rounds) and their ratio.
+(median over the rounds) and their ratio. With `--served`, each tree also serves: its own
+`kvserve serve` under a closed loop of streaming completions at a fixed concurrency,
+the same requests for both, in the same turns.
 
 A tree runs its benchmark the way it was written to run: as a module
 (`python -m bench.offline`) where bench/ is a package, else as a file
@@ -12,17 +14,26 @@ A tree runs its benchmark the way it was written to run: as a module
 
     python -m bench.ab_commits --base 12a6ff2 --rounds 3
     python -m bench.ab_commits --base 639e6c0 --smoke    # tiny workloads, one round, to the temp dir
+    python -m bench.ab_commits --base 639e6c0 --served --concurrency 16
 """
 
 import argparse
+import asyncio
 import json
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
+import httpx
+
 from bench.machine import ROOT, machine, write_result
+from bench.servers import Server, free_port
+from bench.sse import latency_summary, stream
+from bench.workloads import make_workload
+from replica.model_loader import BUNDLED_NAME
 
 # Small enough for a smoke run, and arguments that every tree's offline benchmark takes.
 SMOKE_ARGS = "--mixed-requests 8 --mixed-cap 16 --batch-size 8 --max-num-batched-tokens 256"
@@ -61,6 +72,46 @@ def run_offline(
     return {r["case"]: r["systems"]["kvserve_continuous"]["output_tokens_per_s"] for r in result["results"]}
 
 
+def served_command(tree: Path, port: int, dtype: str) -> tuple[list[str], dict[str, str]]:
+    """`kvserve serve` of `tree`: its packages first on PYTHONPATH, which Ray's workers
+    inherit, so the replicas run the tree's code too."""
+    command = [sys.executable, "-m", "deployments.cli", "serve", "--dtype", dtype]
+    command += ["--port", str(port), "--grpc-port", str(free_port())]
+    return command, {"PYTHONPATH": str(tree)}
+
+
+async def closed_loop(url: str, prompts: list[list[int]], max_tokens: int, concurrency: int) -> dict:
+    """Every prompt as a streamed completion, `concurrency` in flight at once. Sampling is
+    explicit, so that commits with different sampling defaults do the same work."""
+    payload = {"model": BUNDLED_NAME, "max_tokens": max_tokens, "ignore_eos": True}
+    payload |= {"temperature": 1.0, "top_p": 1.0}
+    gate = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=900) as client:
+
+        async def one(prompt: list[int]):
+            async with gate:
+                return await stream(client, "/v1/completions", {**payload, "prompt": prompt})
+
+        await one(prompts[0])  # warm-up, untimed
+        start = time.perf_counter()
+        results = await asyncio.gather(*(one(p) for p in prompts))
+    return latency_summary(results, time.perf_counter() - start)
+
+
+def run_served(tree: Path, args, prompts: list[list[int]], log: Path) -> dict:
+    port = free_port()
+    command, env = served_command(tree, port, args.served_dtype)
+    server = Server(command, port, log, env).start()
+    try:
+        server.wait_ready()
+        summary = asyncio.run(closed_loop(server.url, prompts, args.served_output, args.concurrency))
+    finally:
+        server.stop()
+    if summary["errors"]:
+        raise RuntimeError(f"{summary['errors']} requests failed; see {log}")
+    return summary
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -78,6 +129,12 @@ def main() -> None:
     parser.add_argument(
         "--out", type=Path, default=None, help="default: bench/results/ab_commits_<machine>.json"
     )
+    parser.add_argument("--served", action="store_true", help="also compare `kvserve serve` in turns")
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--served-requests", type=int, default=64)
+    parser.add_argument("--served-prompt", type=int, default=128)
+    parser.add_argument("--served-output", type=int, default=64)
+    parser.add_argument("--served-dtype", default="auto")
     parser.add_argument(
         "--smoke", action="store_true", help="the mixed workload, tiny, once; to the temp dir"
     )
@@ -92,6 +149,8 @@ def main() -> None:
         for name, ref in (("base", args.base), ("head", args.head))
     }
     runs: dict[str, list[dict[str, float]]] = {"base": [], "head": []}
+    served: dict[str, list[dict]] = {"base": [], "head": []}
+    prompts, _ = make_workload(args.served_requests, args.served_prompt, 1, 1, 49152, seed=0)
     with tempfile.TemporaryDirectory() as tmp:
         trees = {name: worktree(commit, Path(tmp) / name) for name, commit in commits.items()}
         try:
@@ -103,6 +162,10 @@ def main() -> None:
                         run_offline(trees[name], args.workloads, args.threads, out, args.offline_args.split())
                     )
                     print(name, round_, runs[name][-1], flush=True)
+                    if args.served:
+                        log = Path(tmp) / f"{name}_serve.log"
+                        served[name].append(run_served(trees[name], args, prompts, log))
+                        print(name, round_, "served", served[name][-1], flush=True)
         finally:
             for tree in trees.values():
                 subprocess.run(
@@ -124,6 +187,23 @@ def main() -> None:
         "commits": commits,
         "cases": cases,
     }
+    if args.served:
+        medians = {
+            name: {
+                key: statistics.median(r[key] for r in served[name])
+                for key in ("output_tokens_per_s", "ttft_p50_s", "itl_p50_s")
+            }
+            for name in served
+        }
+        rate = {name: medians[name]["output_tokens_per_s"] for name in medians}
+        result["served"] = {
+            "what": f"kvserve serve, {args.served_requests} streamed completions of "
+            f"{args.served_prompt} -> {args.served_output} tokens at concurrency {args.concurrency}",
+            "runs": served,
+            "medians": medians,
+            "head_over_base": rate["head"] / rate["base"],
+        }
+        cases["served"] = {"head_over_base": rate["head"] / rate["base"]}
     path = write_result("ab_commits", args, result, machine(threads=args.threads), args.out, args.smoke)
     print(json.dumps({c: round(v["head_over_base"], 3) for c, v in cases.items()}, indent=2))
     print(f"wrote {path}")
