@@ -84,7 +84,7 @@ def instrument(timer: SelfTimer, llm: LLM, backend: str) -> list:
     undo.append(lambda: setattr(runner, "lm_head", lm_head))
     patch(replica.engine, "sample", "step: sampling")
     patch(engine.sampling, "batch", "step: sampling")
-    patch(engine, "_append_token", "step: output objects (detokenize, stop checks)")
+    patch(engine.output_processor, "append_token", "step: output objects (detokenize, stop checks)")
     if native is not None:
         patch(native, "forward", "forward: C decoder step (every layer's kernels)")
     if backend == "cpu":
