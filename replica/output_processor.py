@@ -9,6 +9,7 @@ the same way. The engine owns its requests: the processor tells it when one ends
 its prefill has cached the prompt for the others)."""
 
 import logging
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -40,9 +41,17 @@ class OutputProcessor:
         release_samples: Callable[[str], None],
     ):
         """finish: ends a request in the engine. release_samples: admits a group's
-        deferred samples, by the group's id."""
-        self.finish = finish
-        self.release_samples = release_samples
+        deferred samples, by the group's id. Both are the engine's methods, held weakly:
+        the engine owns this processor, and a strong hold would make a cycle that keeps
+        a dropped engine, its weights and its KV cache, until the collector's next pass."""
+        self._finish = weakref.WeakMethod(finish)
+        self._release_samples = weakref.WeakMethod(release_samples)
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        self._finish()(request, reason)
+
+    def release_samples(self, group_id: str) -> None:
+        self._release_samples()(group_id)
 
     def update(self, launched: InFlight) -> list[RequestDelta]:
         """Read a launched step's results (waiting for the device) into its requests."""
