@@ -24,10 +24,11 @@ MODEL_FLAGS = (
     "tensor_parallel_size",
 )
 LORA_FLAGS = ("enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")
+KV_FLAGS = ("kv_cache_memory_gb", "kv_offloading_size")
 ENGINE_FLAGS = {
     "generate": MODEL_FLAGS,
-    "serve": (*MODEL_FLAGS, *LORA_FLAGS, "speculative_config", "kv_cache_memory_gb", "scheduling_policy"),
-    "batch": (*MODEL_FLAGS, *LORA_FLAGS, "speculative_config", "kv_cache_memory_gb"),
+    "serve": (*MODEL_FLAGS, *LORA_FLAGS, "speculative_config", *KV_FLAGS, "scheduling_policy"),
+    "batch": (*MODEL_FLAGS, *LORA_FLAGS, "speculative_config", *KV_FLAGS),
 }
 _TUNING = "tuning: a serve config's engine_args or the offline LLM's keyword arguments set it"
 # The EngineConfig fields that are no flag of their own, and why.

@@ -8,9 +8,13 @@ coldest cached content first.
 Separately, the cached hashes are kept in order of last use (cached or reused), which is
 what routers are told about: a shared system prompt that every request reuses stays at
 the front of the report however many new blocks are cached after it.
+
+With a host tier (host_tier.py), `on_evict` hears of each cached block just before
+allocation hands it out, so that its content can be copied down first.
 """
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import islice
 
@@ -27,11 +31,18 @@ class NoFreeBlocksError(RuntimeError):
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_caching: bool = True,
+        on_evict: Callable[[int, bytes], None] | None = None,
+    ):
+        """on_evict(block id, hash): a cached block is about to be reused."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.on_evict = on_evict
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Insertion order is LRU order: evict from the front, append freed blocks at the back.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
@@ -54,6 +65,8 @@ class BlockPool:
         for _ in range(n):
             block_id, _ = self._free.popitem(last=False)
             block = self.blocks[block_id]
+            if self.on_evict is not None and self._holds_cached(block):
+                self.on_evict(block_id, block.block_hash)
             self._forget_hash(block)
             block.ref_count = 1
             out.append(block)
@@ -110,8 +123,10 @@ class BlockPool:
             block.block_hash = None
         self._cached.clear()
 
+    def _holds_cached(self, block: Block) -> bool:
+        return block.block_hash is not None and self._cached.get(block.block_hash) == block.block_id
+
     def _forget_hash(self, block: Block) -> None:
-        if block.block_hash is not None:
-            if self._cached.get(block.block_hash) == block.block_id:
-                del self._cached[block.block_hash]
-            block.block_hash = None
+        if self._holds_cached(block):
+            del self._cached[block.block_hash]
+        block.block_hash = None

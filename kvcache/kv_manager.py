@@ -1,7 +1,10 @@
 """Per-request block tables on top of the block pool, plus prefix-cache lookups and stats.
 
 The manager knows requests only by id and token ids; the scheduler decides who gets
-blocks, the manager decides which blocks.
+blocks, the manager decides which blocks. With a host tier (host_tier.py), a prefix
+lookup runs on past the device cache's hits into the host's, and the blocks it finds
+there are restored into fresh device blocks: to the scheduler they are cached tokens like
+any other. The copies each step needs are taken with take_copies.
 """
 
 from collections.abc import Sequence
@@ -9,6 +12,7 @@ from dataclasses import dataclass, field
 
 from kvcache.block_pool import Block, BlockPool
 from kvcache.hashing import ROOT_HASH, hash_block, hash_full_blocks
+from kvcache.host_tier import HostTier, KVCopies
 
 
 @dataclass
@@ -18,6 +22,13 @@ class KVStats:
     num_cached_blocks: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    # The host tier (0 blocks: none). Its queries are the blocks looked up past the device
+    # cache's hits; its hits are the blocks restored from it.
+    num_host_blocks: int = 0
+    num_host_cached_blocks: int = 0
+    host_cache_queries: int = 0
+    host_cache_hits: int = 0
+    num_offloaded_blocks: int = 0
 
     @property
     def usage(self) -> float:
@@ -26,10 +37,17 @@ class KVStats:
 
 @dataclass
 class CachedPrefix:
-    """Result of a prefix-cache lookup, consumed by the request's first allocation."""
+    """Result of a prefix-cache lookup, consumed by the request's first allocation:
+    device blocks to share, then hashes of blocks to restore from the host tier."""
 
     blocks: list[Block]
     num_queried: int
+    host_hashes: list[bytes] = field(default_factory=list)
+
+    @property
+    def num_blocks(self) -> int:
+        """Leading prompt blocks that need no prefill."""
+        return len(self.blocks) + len(self.host_hashes)
 
 
 @dataclass
@@ -44,15 +62,28 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        num_host_blocks: int = 0,
+    ):
+        """num_host_blocks: slots of the host tier (0: none; it needs prefix caching)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if num_host_blocks and not enable_prefix_caching:
+            raise ValueError("a host KV tier keeps prefix blocks: it needs enable_prefix_caching")
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.host = HostTier(num_host_blocks) if num_host_blocks else None
+        on_evict = self.host.offload if self.host is not None else None
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching, on_evict=on_evict)
         self.enable_prefix_caching = enable_prefix_caching
         self._requests: dict[str, _RequestBlocks] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.host_cache_queries = 0
+        self.host_cache_hits = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -78,16 +109,24 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        return CachedPrefix(hits, len(hashes))
+        host_hashes = []
+        if self.host is not None:
+            for block_hash in hashes[len(hits) :]:
+                if block_hash not in self.host:
+                    break
+                host_hashes.append(block_hash)
+        return CachedPrefix(hits, len(hashes), host_hashes)
 
     def allocate(self, request_id: str, num_tokens: int, cached: CachedPrefix | None = None) -> bool:
         """Make the request hold enough blocks for num_tokens tokens in total.
 
-        `cached` is only taken on the request's first allocation. Returns False,
+        `cached` is only taken on the request's first allocation; its host-tier blocks
+        are the first of the new ones, restored before the step's forward. Returns False,
         changing nothing, when the pool cannot cover the new blocks.
         """
         entry = self._requests.get(request_id)
         prefix = cached.blocks if entry is None and cached is not None else []
+        restored = cached.host_hashes if entry is None and cached is not None else []
         # Idle cached blocks sit in the free queue: reviving them consumes free slots too.
         revived = sum(1 for b in prefix if b.ref_count == 0)
         held = len(prefix) if entry is None else len(entry.blocks)
@@ -99,6 +138,9 @@ class KVCacheManager:
             if cached is not None:
                 self.prefix_cache_queries += cached.num_queried
                 self.prefix_cache_hits += len(cached.blocks)
+                if self.host is not None:
+                    self.host_cache_queries += cached.num_queried - len(cached.blocks)
+                    self.host_cache_hits += len(restored)
             for block in prefix:
                 self.pool.share(block)
             # Taken, not just looked up (the scheduler looks the head of its queue up
@@ -106,8 +148,20 @@ class KVCacheManager:
             self.pool.touch(prefix)
             entry.blocks.extend(prefix)
             entry.hashes.extend(b.block_hash for b in prefix)
-        entry.blocks.extend(self.pool.allocate(new))
+        for block_hash in restored:  # before allocating, whose evictions may take slots
+            self.host.pin(block_hash)
+        fresh = self.pool.allocate(new)
+        for block, block_hash in zip(fresh[: len(restored)], restored, strict=True):
+            self.host.restore(block_hash, block.block_id)
+            self.pool.cache(block, block_hash)
+            entry.hashes.append(block_hash)
+        entry.blocks.extend(fresh)
         return True
+
+    def take_copies(self) -> KVCopies:
+        """The block copies that the allocations since the last call need, in order, for
+        the step about to run (host_tier.py)."""
+        return self.host.take_copies() if self.host is not None else KVCopies()
 
     def cache_full_blocks(
         self, request_id: str, token_ids: Sequence[int], num_computed: int, root: bytes = ROOT_HASH
@@ -150,12 +204,23 @@ class KVCacheManager:
         that block was cached, even when earlier blocks fell outside the limit."""
         return self.pool.recent_hashes(limit)
 
-    def reset_prefix_cache(self, prefix_cache_queries: int, prefix_cache_hits: int) -> None:
-        """Empty the prefix cache and set its counters: the engine's warm-up forgets its
-        dummy requests' blocks and lookups, and keeps the counts of the real ones."""
+    def host_prefix_summary(self, limit: int) -> list[bytes]:
+        """The same for the host tier: its most recently used hashes, newest first."""
+        return self.host.recent_hashes(limit) if self.host is not None else []
+
+    def reset_prefix_cache(self, counters: KVStats) -> None:
+        """Empty the prefix cache, both tiers, and set the counters to `counters`': the
+        engine's warm-up forgets its dummy requests' blocks and lookups, and keeps the
+        counts of the real ones."""
         self.pool.reset_prefix_cache()
-        self.prefix_cache_queries = prefix_cache_queries
-        self.prefix_cache_hits = prefix_cache_hits
+        self.prefix_cache_queries = counters.prefix_cache_queries
+        self.prefix_cache_hits = counters.prefix_cache_hits
+        self.host_cache_queries = counters.host_cache_queries
+        self.host_cache_hits = counters.host_cache_hits
+        if self.host is not None:
+            self.host.clear()
+            self.host.num_offloaded = counters.num_offloaded_blocks
+            self.host.num_restored = counters.host_cache_hits
 
     def stats(self) -> KVStats:
         return KVStats(
@@ -164,4 +229,9 @@ class KVCacheManager:
             num_cached_blocks=self.pool.num_cached_blocks,
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,
+            num_host_blocks=self.host.num_slots if self.host is not None else 0,
+            num_host_cached_blocks=self.host.num_cached_blocks if self.host is not None else 0,
+            host_cache_queries=self.host_cache_queries,
+            host_cache_hits=self.host_cache_hits,
+            num_offloaded_blocks=self.host.num_offloaded if self.host is not None else 0,
         )

@@ -43,6 +43,15 @@ class EngineConfig:
     # On CUDA the KV cache takes what is left of this share of GPU memory after the weights
     # and a profiled worst-case step; ignored when num_kv_blocks is set.
     gpu_memory_utilization: float = 0.9
+    # A second KV tier in host memory (kvcache/host_tier.py), vLLM's argument: prefix blocks
+    # the device cache evicts are kept there and copied back on a hit instead of recomputed.
+    kv_offloading_size: float = field(
+        default=0.0,
+        metadata={
+            "help": "GiB of host memory for a second KV tier: evicted prefix blocks are kept there and "
+            "copied back on a prefix hit instead of recomputed (default 0: none)"
+        },
+    )
     num_kv_blocks: int | None = None
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
@@ -171,6 +180,10 @@ class EngineConfig:
             raise ValueError("enable_lora does not yet work with tensor_parallel_size > 1")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.kv_offloading_size < 0:
+            raise ValueError(f"kv_offloading_size must be >= 0 GiB, got {self.kv_offloading_size}")
+        if self.kv_offloading_size and not self.enable_prefix_caching:
+            raise ValueError("kv_offloading_size keeps prefix blocks: it needs enable_prefix_caching")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.attention_backend not in ATTENTION_BACKENDS:

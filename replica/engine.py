@@ -52,7 +52,12 @@ class Engine:
         # The attention backend may change the block size (flash-attn pages are multiples of
         # 256); everything downstream (KV manager, stats, routing) uses the runner's.
         self.config = config = replace(config, block_size=self.runner.block_size)
-        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            self.runner.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            self.runner.num_host_blocks,
+        )
         self.scheduler = Scheduler(
             self.kv,
             config.max_num_batched_tokens,
@@ -189,7 +194,7 @@ class Engine:
             self._add(prompt, params, f"kvserve-warm-up-{i}")  # past max_waiting, which may be 0
         while self.has_unfinished():
             self.step()
-        self.kv.reset_prefix_cache(before.prefix_cache_queries, before.prefix_cache_hits)
+        self.kv.reset_prefix_cache(before)
 
     def abort(self, request_id: str) -> bool:
         """request_id: the caller's; with n > 1 it aborts every sample."""
@@ -252,6 +257,7 @@ class Engine:
             fill=rows.fill(self._in_flight, self.runner.device),
             prompt_rows=rows.extra_rows or None,
             lora_slots=self.loras.row_slots(rows.items) if self.loras is not None else None,
+            kv_copies=self.kv.take_copies(),
         )
         self.scheduler.advance(rows.plan)
         return logits
@@ -326,3 +332,7 @@ class Engine:
     def cached_prefix_summary(self, limit: int) -> list[bytes]:
         """The newest cached block hashes, at most `limit`; see KVCacheManager."""
         return self.kv.cached_prefix_summary(limit)
+
+    def host_prefix_summary(self, limit: int) -> list[bytes]:
+        """The same for the host KV tier (none without kv_offloading_size)."""
+        return self.kv.host_prefix_summary(limit)

@@ -18,6 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.utils import logging as transformers_logging
 
+from kvcache.host_tier import KVCopies
 from replica.attention import (
     AttentionMetadata,
     ForwardContext,
@@ -39,6 +40,7 @@ from replica.cuda_graphs import DecodeGraphRunner
 from replica.devices import resolve_device, resolve_dtype
 from replica.input_batch import Fill, pack_inputs, rows_to_keep
 from replica.kv_calibration import calibrate_kv_scales
+from replica.kv_offload import HostKVCache
 from replica.kv_quant import KVScale, is_fp8, kv_cache_torch_dtype
 from replica.kv_sizing import (
     KVCacheLayout,
@@ -206,11 +208,22 @@ class ModelRunner:
         # One block more than the pool hands out: padded rows of graph batches write there.
         self.scratch_block = self.num_blocks
         self.kv_caches = self.kv_layout.allocate(self.num_blocks + 1)
+        self.num_host_blocks = (
+            kv_blocks_for_memory(config.kv_offloading_size, self.bytes_per_block)
+            if config.kv_offloading_size
+            else 0
+        )
+        if group is not None and self.num_host_blocks:
+            self.num_host_blocks = group.min(self.num_host_blocks, self.device)
+        self.host_kv = HostKVCache(self.kv_layout, self.num_host_blocks) if self.num_host_blocks else None
         self.weights = WeightsSummary.of(self.model, quantization)
+        gib = self.bytes_per_block / 2**30
         logger.info(
-            "weights: %s; KV cache: %s, %d blocks of %d tokens (%d tokens)",
+            "weights: %s; KV cache: %s, %d blocks of %d tokens (%d tokens, %.2f GiB); "
+            "host tier: %d blocks (%.2f GiB)",
             self.weights.describe(), str(self.kv_dtype).removeprefix("torch."), self.num_blocks,
-            self.block_size, self.num_blocks * self.block_size,
+            self.block_size, self.num_blocks * self.block_size, self.num_blocks * gib,
+            self.num_host_blocks, self.num_host_blocks * gib,
         )  # fmt: skip
         # A request must fit the whole KV cache on its own, or it could never finish.
         limits = [config.max_model_len, getattr(hf, "max_position_embeddings", None)]
@@ -341,6 +354,7 @@ class ModelRunner:
         fill_rows: list[int] | None = None,
         prompt_rows: list[int] | None = None,
         lora_slots: list[int] | None = None,
+        kv_copies: KVCopies | None = None,
     ) -> torch.Tensor | None:
         """One packed forward. Row i feeds token_ids[i] as the last tokens of a context of
         context_lens[i]; rows must be ordered decodes first. `fill` gives decode rows whose
@@ -355,7 +369,11 @@ class ModelRunner:
         path, whose row selection can pick any rows.
 
         lora_slots: each row's LoRA adapter slot (load_lora), -1 for the base model; None
-        where no row has one."""
+        where no row has one.
+
+        kv_copies: the host tier's block copies, run first (kvcache/host_tier.py)."""
+        if kv_copies:
+            self.host_kv.copy(kv_copies, self.kv_caches)
         if self.group is not None:
             fill = self._share_fill(fill, fill_rows)
         query_lens = [len(t) for t in token_ids]

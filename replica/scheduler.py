@@ -141,7 +141,7 @@ class Scheduler:
             skip_cache = request.needs_prompt_logprobs
             root = request.block_hash_root
             cached = NO_PREFIX if skip_cache else self.kv.find_cached_prefix(request.token_ids, root)
-            num_computed = len(cached.blocks) * self.kv.block_size
+            num_computed = cached.num_blocks * self.kv.block_size
             n = min(request.num_tokens - num_computed, budget)
             if not self.kv.allocate(request.request_id, num_computed + n, cached):
                 self._batch_open = not self.static

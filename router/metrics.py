@@ -10,6 +10,9 @@ With speculative decoding on (a replica reports num_speculative_tokens > 0; once
 has, the counters stay), vLLM's vllm:spec_decode_* counters: drafts verified, tokens
 proposed, tokens accepted, and accepted tokens per draft position (label `position`).
 
+With a host KV tier (a replica reports num_host_blocks > 0), its lookups and hits as
+vLLM's vllm:external_prefix_cache_* counters, and kvserve:kv_offloaded_blocks.
+
 With LoRA on, vLLM's `vllm:lora_requests_info` says which adapters the replicas' running
 and waiting requests use, in its labels; its value is when that was last true (seconds
 since the epoch), as vLLM sets it.
@@ -29,6 +32,22 @@ REPLICA_COUNTERS: dict[str, tuple[Callable[[ReplicaReport], int], str]] = {
     "vllm:prefix_cache_queries": (lambda r: r.prefix_cache_queries, "Prefix-cache block lookups."),
     "vllm:prefix_cache_hits": (lambda r: r.prefix_cache_hits, "Prefix-cache block hits."),
     "vllm:num_preemptions": (lambda r: r.num_preemptions, "Preemptions by recompute."),
+}
+# The host KV tier's, once a replica reports one: its lookups and hits under vLLM's names
+# for a cache outside the device's, and the blocks copied down.
+HOST_TIER_COUNTERS: dict[str, tuple[Callable[[ReplicaReport], int], str]] = {
+    "vllm:external_prefix_cache_queries": (
+        lambda r: r.host_cache_queries,
+        "Host KV tier block lookups (past the device cache's hits).",
+    ),
+    "vllm:external_prefix_cache_hits": (
+        lambda r: r.host_cache_hits,
+        "Host KV tier block hits, each copied back instead of recomputed.",
+    ),
+    "kvserve:kv_offloaded_blocks": (
+        lambda r: r.num_offloaded_blocks,
+        "Blocks copied to the host KV tier as the device cache evicted them.",
+    ),
 }
 # Speculative decoding's counters, vLLM's names; accepted_per_pos is labelled by position.
 SPEC_DECODE_COUNTERS: dict[str, tuple[Callable[[ReplicaReport], int], str]] = {
@@ -55,6 +74,7 @@ class ServingMetrics:
         self._per_pos: dict[str, list[int]] = {}  # replica -> accepted tokens per draft position
         # The most tokens a replica has reported proposing per step (0: no speculation yet).
         self._num_speculative_tokens = 0
+        self._host_tier = False  # whether a replica has reported a host KV tier
         labels = ["model_name"]
         r = self.registry
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed.", labels, registry=r)
@@ -94,6 +114,10 @@ class ServingMetrics:
             counts = self._counts.setdefault(replica_id, {})
             for name, (count, _) in REPLICA_COUNTERS.items():
                 counts[name] = max(counts.get(name, 0), count(report))
+            if report.num_host_blocks:
+                self._host_tier = True
+                for name, (count, _) in HOST_TIER_COUNTERS.items():
+                    counts[name] = max(counts.get(name, 0), count(report))
             if report.num_speculative_tokens:
                 self._num_speculative_tokens = max(
                     self._num_speculative_tokens, report.num_speculative_tokens
@@ -124,6 +148,11 @@ class ServingMetrics:
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric([self.model_name], sum(counts[name] for counts in self._counts.values()))
             yield c
+        if self._host_tier:
+            for name, (_, doc) in HOST_TIER_COUNTERS.items():
+                c = CounterMetricFamily(name, doc, labels=["model_name"])
+                c.add_metric([self.model_name], sum(counts.get(name, 0) for counts in self._counts.values()))
+                yield c
         if self._num_speculative_tokens:
             yield from self._spec_decode_counters()
         lora = [r for r in reports if r.max_loras]

@@ -23,6 +23,7 @@ from router.placement.coordinator import coordinator_address, follow_snapshots, 
 from router.placement.kv_router import (
     ADAPTER_LOAD_TOKENS,
     ARRIVAL_MARGIN_S,
+    HOST_HIT_COST,
     OWED_TTL_S,
     KVAwareRouter,
     OwedRequest,
@@ -30,6 +31,7 @@ from router.placement.kv_router import (
     RoutedRequest,
     blocks_needed,
     group_ranks,
+    host_prefix_blocks,
     net_free_blocks,
     placement,
 )
@@ -123,6 +125,29 @@ def test_a_cached_prefix_wins_while_it_saves_more_than_the_extra_load():
     # Same load, no prefix anywhere: a tie, which the router breaks at random.
     k = keys(prompt, {"a": view(free=45), "b": view(free=45)})
     assert k["a"] == k["b"]
+
+
+def test_a_host_tier_hit_ranks_below_a_device_hit_and_above_a_miss():
+    """Blocks a replica holds in its host KV tier are copied back, not prefilled: they
+    cost HOST_HIT_COST of a block each, so at equal load a device hit beats a host hit,
+    which beats a miss; and the host's blocks still need free device blocks to land in."""
+    prompt = list(range(100, 228))  # 8 prompt blocks, 7 cacheable
+    hashes = hash_full_blocks(prompt[:-1], 16)
+    device = view(free=40, cached=hashes)
+    host = replace(view(free=40), host_hashes=frozenset(hashes))
+    partly = replace(view(free=40, cached=hashes[:2]), host_hashes=frozenset(hashes))
+    miss = view(free=40)
+    k = keys(prompt, {"device": device, "host": host, "partly": partly, "miss": miss})
+    assert k["device"] > k["partly"] > k["host"] > k["miss"]
+    assert host_prefix_blocks(hashes, partly) == 5 and host_prefix_blocks(hashes, device) == 0
+    request = RoutedRequest(prompt, 16)
+    assert blocks_needed(request, host) == blocks_needed(request, miss)
+    # 7 restored blocks cost 7 * HOST_HIT_COST < 1 block: more than a device hit at the
+    # same load, less than a device hit on a replica with one block more load.
+    busier = view(free=39, cached=hashes)
+    assert 7 * HOST_HIT_COST < 1
+    k = keys(prompt, {"host": host, "busier": busier})
+    assert k["host"] > k["busier"]
 
 
 def _route_burst(views: dict[str, ReplicaView], prompts: list[list[int]]) -> list[str]:

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.metrics import REPLICA_COUNTERS, ServingMetrics
+from router.metrics import HOST_TIER_COUNTERS, REPLICA_COUNTERS, ServingMetrics
 from wire.messages import ReplicaReport
 from wire.spec_decode_stats import SpecDecodeStats
 
@@ -90,3 +90,26 @@ def test_spec_decode_counters_under_vllm_names_summed_over_replicas():
     assert per_pos == [6, 5, 3, 1]
     # b is gone and c scaled away: the counters keep their counts.
     assert spec_samples(metrics.exposition({}).decode()) == samples
+
+
+def with_host_tier(queries: int, hits: int, offloaded: int) -> ReplicaReport:
+    return replace(
+        report(0, 0, 0),
+        num_host_blocks=64,
+        host_cache_queries=queries,
+        host_cache_hits=hits,
+        num_offloaded_blocks=offloaded,
+    )
+
+
+def test_host_tier_counters_appear_once_a_replica_has_a_tier_and_keep_their_counts():
+    metrics = ServingMetrics("m")
+    names = [f"{name}_total" for name in HOST_TIER_COUNTERS]
+    assert not set(names) & set(metric_values(metrics.exposition({"a": report(1, 0, 0)}).decode()))
+    values = metric_values(
+        metrics.exposition({"a": with_host_tier(12, 5, 30), "b": report(0, 0, 0)}).decode()
+    )
+    assert [values[n] for n in names] == [12, 5, 30]
+    assert "vllm:external_prefix_cache_hits_total" in names
+    later = metric_values(metrics.exposition({"c": with_host_tier(2, 1, 3)}).decode())
+    assert [later[n] for n in names] == [14, 6, 33]

@@ -118,6 +118,14 @@ class ReplicaReport:
     spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     # The newest cached block hashes, bounded; hashes are chained, so one stands for its prefix.
     cached_block_hashes: list[bytes] = field(default_factory=list)
+    # The host KV tier (kv_offloading_size; 0 blocks: none): its size, its counters since
+    # start (queries: blocks looked up past the device cache's hits; hits: blocks restored
+    # from it) and its newest hashes, bounded like the device cache's.
+    num_host_blocks: int = 0
+    host_cache_queries: int = 0
+    host_cache_hits: int = 0
+    num_offloaded_blocks: int = 0
+    host_block_hashes: list[bytes] = field(default_factory=list)
     # How old the report was when last passed on: an age, not a time of day, so that
     # processes on nodes with different clocks agree on it.
     age_s: float = 0.0

@@ -9,6 +9,7 @@ uses this runner as it uses a ModelRunner; the workers' liveness is this one's t
 import torch
 from transformers import AutoConfig
 
+from kvcache.host_tier import KVCopies
 from replica.config import EngineConfig
 from replica.cpu.affinity import CorePlan
 from replica.devices import resolve_device
@@ -39,6 +40,7 @@ class TensorParallelRunner:
         self.backend = self.rank0.backend
         self.block_size = self.rank0.block_size
         self.num_blocks = self.rank0.num_blocks
+        self.num_host_blocks = self.rank0.num_host_blocks
         self.max_model_len = self.rank0.max_model_len
         self.vocab_size = self.rank0.vocab_size
         self.dtype = self.rank0.dtype
@@ -62,13 +64,13 @@ class TensorParallelRunner:
         fill: Fill | None = None,
         prompt_rows: list[int] | None = None,
         lora_slots: list[int] | None = None,
+        kv_copies: KVCopies | None = None,
     ) -> torch.Tensor:
         """ModelRunner.execute on every rank. The workers get the rows of `fill` only:
         its tokens stay on rank 0's device, which broadcasts them in the forward. No
         lora_slots: EngineConfig refuses LoRA with tensor parallelism."""
         assert lora_slots is None, "LoRA adapters do not run with tensor parallelism"
         fill_rows = fill[0] if fill is not None else None
-        self.workers.execute(token_ids, context_lens, block_tables, sample_rows, fill_rows, prompt_rows)
-        return self.rank0.execute(
-            token_ids, context_lens, block_tables, sample_rows, fill=fill, prompt_rows=prompt_rows
-        )
+        args = (token_ids, context_lens, block_tables, sample_rows)
+        self.workers.execute(*args, fill_rows, prompt_rows, kv_copies)
+        return self.rank0.execute(*args, fill=fill, prompt_rows=prompt_rows, kv_copies=kv_copies)

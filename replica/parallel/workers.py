@@ -58,9 +58,17 @@ class TPWorker:
         group = TPGroup.join(store, rank, config.tensor_parallel_size, device)
         self.runner = ModelRunner(config, model_path, group)
 
-    def execute(self, token_ids, context_lens, block_tables, sample_rows, fill_rows, prompt_rows) -> None:
+    def execute(
+        self, token_ids, context_lens, block_tables, sample_rows, fill_rows, prompt_rows, kv_copies
+    ) -> None:
         self.runner.execute(
-            token_ids, context_lens, block_tables, sample_rows, fill_rows=fill_rows, prompt_rows=prompt_rows
+            token_ids,
+            context_lens,
+            block_tables,
+            sample_rows,
+            fill_rows=fill_rows,
+            prompt_rows=prompt_rows,
+            kv_copies=kv_copies,
         )
 
     def ping(self) -> bool:
@@ -140,12 +148,14 @@ class WorkerSet:
             raise failure[0]
         return result[0]
 
-    def execute(self, token_ids, context_lens, block_tables, sample_rows, fill_rows, prompt_rows) -> None:
+    def execute(
+        self, token_ids, context_lens, block_tables, sample_rows, fill_rows, prompt_rows, kv_copies
+    ) -> None:
         """Send one step to every worker. Results of earlier steps are checked without
         waiting, so a worker's error or death surfaces within a step or two (rank 0's
         collectives fail first when a worker's process is gone)."""
         self._check_finished(wait_for_oldest=len(self._in_flight) >= MAX_STEPS_IN_FLIGHT * len(self.actors))
-        args = (token_ids, context_lens, block_tables, sample_rows, fill_rows, prompt_rows)
+        args = (token_ids, context_lens, block_tables, sample_rows, fill_rows, prompt_rows, kv_copies)
         self._in_flight.extend(actor.execute.remote(*args) for actor in self.actors)
 
     def _check_finished(self, wait_for_oldest: bool) -> None:

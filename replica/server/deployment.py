@@ -145,6 +145,10 @@ class LLMServer:
             kv_cache_usage=s.kv.usage,
             prefix_cache_queries=s.kv.prefix_cache_queries,
             prefix_cache_hits=s.kv.prefix_cache_hits,
+            num_host_blocks=s.kv.num_host_blocks,
+            host_cache_queries=s.kv.host_cache_queries,
+            host_cache_hits=s.kv.host_cache_hits,
+            num_offloaded_blocks=s.kv.num_offloaded_blocks,
             num_running=s.num_running,
             num_waiting=s.num_waiting,
             num_pending_blocks=s.num_pending_blocks,
@@ -165,8 +169,11 @@ class LLMServer:
     def _build_report(self) -> ReplicaReport:
         """The coordinator's view of this replica: its figures and the newest cached
         block hashes, bounded. On the engine thread, between steps."""
-        hashes = self.engine.cached_prefix_summary(CACHED_HASHES_REPORTED)
-        return replace(self._stats(), cached_block_hashes=hashes)
+        return replace(
+            self._stats(),
+            cached_block_hashes=self.engine.cached_prefix_summary(CACHED_HASHES_REPORTED),
+            host_block_hashes=self.engine.host_prefix_summary(CACHED_HASHES_REPORTED),
+        )
 
     def _refresh_report(self) -> None:
         """On the engine thread, so the report reads engine state between steps. An

@@ -75,6 +75,7 @@ class DraftModelProposer:
             enable_lora=False,
             num_kv_blocks=num_blocks,
             enable_prefix_caching=False,
+            kv_offloading_size=0.0,
             speculative_config=None,
             # Drafts decode only in steps that speculate, of at most disable_by_batch_size requests.
             cuda_graph_max_batch=min(config.cuda_graph_max_batch, spec.disable_by_batch_size),

@@ -14,7 +14,9 @@ For each request it ranks replicas by
    replica carries (blocks its requests hold or will still take) plus the prompt
    blocks it would have to prefill, which a cached prefix reduces. A shared system
    prompt therefore attracts requests only while the replica holding it is not busier
-   by more than the prefill it saves;
+   by more than the prefill it saves. Blocks that a replica holds in its host KV tier
+   past its device cache's hits cost HOST_HIT_COST of a prefilled block each (a copy
+   back, not a recompute): a host hit ranks below a device hit and above a miss;
    - a LoRA adapter request also costs ADAPTER_LOAD_TOKENS (in blocks) on a replica
      whose report does not list its adapter as loaded: loading it there delays the
      first token about as much as prefilling that many more prompt tokens. So the
@@ -73,6 +75,9 @@ OWED_TTL_S = 5.0
 # What loading a LoRA adapter on a replica that does not hold it costs, in prompt tokens
 # it could have prefilled instead; the placement cost counts it in blocks.
 ADAPTER_LOAD_TOKENS = 256
+# What restoring a block from a host KV tier costs, in prefilled blocks: a copy of its
+# bytes, far cheaper than recomputing its tokens, but more than a device hit's nothing.
+HOST_HIT_COST = 0.1
 
 
 @dataclass
@@ -87,6 +92,7 @@ class ReplicaView:
     reported_at: float  # time.monotonic() on this router, less the report's age
     accepting: bool = True  # False while its waiting queue is at max_waiting
     loras: frozenset[str] = frozenset()  # names of the adapters it has loaded
+    host_hashes: frozenset[bytes] = frozenset()  # its host KV tier's newest, bounded
 
     @classmethod
     def from_report(cls, report: ReplicaReport, asked_at: float) -> "ReplicaView":
@@ -100,6 +106,7 @@ class ReplicaView:
             reported_at=asked_at - report.age_s,
             accepting=report.accepting,
             loras=frozenset(report.loras),
+            host_hashes=frozenset(report.host_block_hashes),
         )
 
     @property
@@ -153,12 +160,25 @@ def owed_blocks(requests: Iterable[OwedRequest], view: ReplicaView) -> int:
 
 
 def cached_prefix_blocks(prompt_hashes: Sequence[bytes], view: ReplicaView) -> int:
-    """Leading prompt blocks the replica has cached: up to the deepest prompt block whose
-    hash it reported. Hashes are chained, so that hash vouches for every block before
-    it, even ones missing from the report: a report is bounded to the most recently used
-    blocks, and a prefix's earlier blocks can fall out of it while its later ones stay."""
+    """Leading prompt blocks the replica has cached on its device: up to the deepest
+    prompt block whose hash it reported. Hashes are chained, so that hash vouches for
+    every block before it, even ones missing from the report: a report is bounded to the
+    most recently used blocks, and a prefix's earlier blocks can fall out of it while its
+    later ones stay."""
+    return deepest_reported(prompt_hashes, view.cached_hashes)
+
+
+def host_prefix_blocks(prompt_hashes: Sequence[bytes], view: ReplicaView) -> int:
+    """Prompt blocks past the device's hits that its host KV tier holds (restored, not
+    prefilled, as the engine looks them up: device hits first, then the host's)."""
+    return max(
+        0, deepest_reported(prompt_hashes, view.host_hashes) - cached_prefix_blocks(prompt_hashes, view)
+    )
+
+
+def deepest_reported(prompt_hashes: Sequence[bytes], reported: frozenset[bytes]) -> int:
     for depth in range(len(prompt_hashes), 0, -1):
-        if prompt_hashes[depth - 1] in view.cached_hashes:
+        if prompt_hashes[depth - 1] in reported:
             return depth
     return 0
 
@@ -216,10 +236,10 @@ class Placement:
 
     accepting: bool  # its waiting queue has room
     fits: bool  # its free blocks cover everything the request may take
-    cost_blocks: int  # its load, the prompt blocks it would prefill, loading the adapter
+    cost_blocks: float  # its load, the prompt blocks it would prefill or restore, loading the adapter
 
     @property
-    def key(self) -> tuple[bool, bool, int]:
+    def key(self) -> tuple[bool, bool, float]:
         return (self.accepting, self.fits, -self.cost_blocks)
 
 
@@ -234,7 +254,8 @@ def adapter_load_blocks(request: RoutedRequest, view: ReplicaView) -> int:
 def placement(request: RoutedRequest, view: ReplicaView, owed: int) -> Placement:
     """owed: what the replica owes beyond its report (owed_blocks)."""
     net_free, hits = net_free_blocks(request, view, owed)
-    prefill = cdiv(len(request.prompt), view.block_size) - hits
+    restored = host_prefix_blocks(request.block_hashes(view.block_size), view) if view.host_hashes else 0
+    prefill = cdiv(len(request.prompt), view.block_size) - hits - restored + HOST_HIT_COST * restored
     cost = view.load_blocks + owed + prefill + adapter_load_blocks(request, view)
     return Placement(view.accepting, net_free >= 0, cost)
 
