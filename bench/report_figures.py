@@ -91,6 +91,15 @@ def figures(benchmark: str, record: dict) -> dict[str, str]:
                 "unexplained errors": str(record["errors_outside_proxy_or_ingress_outages"]),
                 "max recovery": f"{number(record['max_recovery_s'])} s",
             }
+        case "kv_offload":
+            return {
+                "TTFT p50 of turns 2+, with over without": ratio(
+                    record["ratios"]["ttft_p50_turns_2_on_with_over_without"]
+                ),
+                "output tok/s, with over without": ratio(
+                    record["ratios"]["output_tokens_per_s_with_over_without"]
+                ),
+            }
         case "profile_step":
             return {
                 f"{run['attention_backend']}, {run['decoder_loop']}": number(run["output_tokens_per_s"])
