@@ -12,7 +12,9 @@ re-tokenized text need not match the generated ids, and every system then sees t
 prompts. The previous prompt's blocks are what the next turn can find cached.
 
 Each system is `kvserve serve` as a user starts it (bench/servers.py), both with the same
-device cache, alternated round by round. Figures: TTFT per turn (median and p99), the
+device cache, alternated round by round; with `--vllm`, also `vllm serve` (its CPU build,
+bench/setup_vllm.sh) with a device cache of the same size, with `--kv-offloading-size`
+and without. Figures: TTFT per turn (median and p99), the
 median TTFT of turns 2 and later, output tok/s, and each tier's prefix hit rate (from
 /metrics: vllm:prefix_cache_* for the device, vllm:external_prefix_cache_* for the host).
 
@@ -30,13 +32,15 @@ import time
 from pathlib import Path
 
 import httpx
+from transformers import AutoConfig
 
 from bench.machine import machine, write_result
-from bench.servers import Server, free_port, kvserve_command
+from bench.servers import VLLM_ENV, Server, free_port, kvserve_command, vllm_command
 from bench.sse import Result, percentile, stream
-from replica.model_loader import BUNDLED_NAME
+from replica.model_loader import BUNDLED_NAME, resolve_model
 
 VOCAB = (1000, 40000)  # ordinary tokens of the bundled model's vocabulary
+VLLM_BLOCK = 32  # tokens per block of vLLM's CPU build
 
 
 def conversations(args) -> list[list[list[int]]]:
@@ -112,12 +116,31 @@ def summary(results: list[list[Result]], seconds: float, before: dict, after: di
     }
 
 
+def server_command(system: str, offloading_gib: float, port: int, args) -> tuple[list[str], dict]:
+    """The system's command line and environment, with a device cache of args.kv_cache_gb."""
+    if system == "kvserve":
+        command = kvserve_command(port, args.dtype, free_port())
+        return command + ["--kv-cache-memory-gb", str(args.kv_cache_gb)] + offloading(offloading_gib), {}
+    # vLLM's CPU cache is sized in whole GiB (VLLM_CPU_KVCACHE_SPACE); a block count sets it exactly.
+    model = resolve_model(None)
+    hf = AutoConfig.from_pretrained(model)
+    head_dim = hf.hidden_size // hf.num_attention_heads
+    block_bytes = hf.num_hidden_layers * 2 * VLLM_BLOCK * hf.num_key_value_heads * head_dim * 2
+    blocks = int(args.kv_cache_gb * 2**30) // block_bytes
+    command = vllm_command(model, port, args.dtype)
+    command += ["--block-size", str(VLLM_BLOCK), "--num-gpu-blocks-override", str(blocks)]
+    return command + offloading(offloading_gib), VLLM_ENV
+
+
+def offloading(gib: float) -> list[str]:
+    return ["--kv-offloading-size", str(gib)] if gib else []
+
+
 def run_system(name: str, offloading_gib: float, convs, args) -> dict:
     port = free_port()
-    command = kvserve_command(port, args.dtype, free_port())
-    command += ["--kv-cache-memory-gb", str(args.kv_cache_gb), "--kv-offloading-size", str(offloading_gib)]
+    command, env = server_command(name.split("_")[0], offloading_gib, port, args)
     log = Path(tempfile.gettempdir()) / f"kv_offload_{name}.log"
-    server = Server(command, port, log).start()
+    server = Server(command, port, log, env).start()
     try:
         server.wait_ready()
         asyncio.run(run_load(server.url, convs[:1], args))  # warm-up: one conversation, untimed
@@ -144,36 +167,48 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--rounds", type=int, default=1, help="each system once per round, in turns")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vllm", action="store_true", help="also vllm serve, with and without offloading")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
     if args.smoke:
         args.conversations, args.turns, args.first_tokens, args.message_tokens = 4, 3, 200, 64
         args.concurrency, args.max_tokens = 2, 8
     convs = conversations(argparse.Namespace(**{**vars(args), "conversations": args.conversations + 1}))
-    systems = {"without_tier": 0.0, "with_tier": args.offloading_gib}
+    systems = {"kvserve_without_tier": 0.0, "kvserve_with_tier": args.offloading_gib}
+    if args.vllm:
+        systems |= {"vllm_without_tier": 0.0, "vllm_with_tier": args.offloading_gib}
     runs: dict[str, list[dict]] = {name: [] for name in systems}
+    failed: dict[str, str] = {}
     for round_ in range(args.rounds):
         order = list(systems) if round_ % 2 == 0 else list(reversed(systems))
         for name in order:
-            runs[name].append(run_system(name, systems[name], convs, args))
+            try:
+                runs[name].append(run_system(name, systems[name], convs, args))
+            except (RuntimeError, TimeoutError) as e:  # a peer that cannot run this: say why
+                failed[name] = f"{type(e).__name__}: {e}; see {tempfile.gettempdir()}/kv_offload_{name}.log"
+                print(name, "failed:", failed[name], flush=True)
+                continue
             run = runs[name][-1]
-            print(
-                name,
-                round_,
-                {k: run[k] for k in ("ttft_p50_s_turns_2_on", "output_tokens_per_s")},
-                flush=True,
-            )
+            print(name, round_, {k: run[k] for k in ("ttft_p50_s_turns_2_on", "output_tokens_per_s")})
 
     def median(name: str, key: str) -> float:
         return statistics.median(r[key] for r in runs[name])
 
-    with_tier, without = "with_tier", "without_tier"
-    ratios = {
-        "ttft_p50_turns_2_on_with_over_without": median(with_tier, "ttft_p50_s_turns_2_on")
-        / median(without, "ttft_p50_s_turns_2_on"),
-        "output_tokens_per_s_with_over_without": median(with_tier, "output_tokens_per_s")
-        / median(without, "output_tokens_per_s"),
-    }
+    def over(a: str, b: str) -> dict[str, float]:
+        return {
+            "ttft_p50_turns_2_on": median(a, "ttft_p50_s_turns_2_on") / median(b, "ttft_p50_s_turns_2_on"),
+            "output_tokens_per_s": median(a, "output_tokens_per_s") / median(b, "output_tokens_per_s"),
+        }
+
+    with_tier, without = "kvserve_with_tier", "kvserve_without_tier"
+    ratios = {"kvserve_with_over_without": over(with_tier, without)}
+    for pair, (a, b) in {
+        "vllm_with_over_without": ("vllm_with_tier", "vllm_without_tier"),
+        "kvserve_over_vllm_both_with_tier": (with_tier, "vllm_with_tier"),
+        "kvserve_over_vllm_both_without": (without, "vllm_without_tier"),
+    }.items():
+        if runs.get(a) and runs.get(b):
+            ratios[pair] = over(a, b)
     equal = sum(
         a == b
         for run_with, run_without in zip(runs[with_tier], runs[without], strict=True)
@@ -186,6 +221,7 @@ def main() -> None:
         f"kvserve serve with a {args.kv_cache_gb} GiB device KV cache, with a {args.offloading_gib} GiB "
         "host tier and without",
         "ratios": ratios,
+        "failed": failed,
         "greedy_texts_equal": f"{equal} of {total} ({args.dtype}; the bar's fp32 equality is a test)",
         "runs": runs,
     }
