@@ -87,7 +87,7 @@ class BlockPool:
         recent), so that `recent_hashes` reports blocks that requests keep reusing.
         Only real reuse should touch: lookups that take nothing leave the order alone."""
         for block in blocks:
-            if block.block_hash is not None and self._cached.get(block.block_hash) == block.block_id:
+            if self._holds_cached(block):
                 self._cached[block.block_hash] = self._cached.pop(block.block_hash)
 
     def cache(self, block: Block, block_hash: bytes) -> None:

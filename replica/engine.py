@@ -56,7 +56,7 @@ class Engine:
             self.runner.num_blocks,
             config.block_size,
             config.enable_prefix_caching,
-            self.runner.num_host_blocks,
+            num_host_blocks=self.runner.num_host_blocks,
         )
         self.scheduler = Scheduler(
             self.kv,
