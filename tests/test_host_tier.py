@@ -17,7 +17,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from hypothesis.stateful import invariant, rule
+from test_scheduler_properties import SchedulerMachine, complete_step
 
 from kvcache import KVCacheManager, hash_full_blocks
 from kvcache.host_tier import HostTier, KVCopies
@@ -25,29 +26,27 @@ from kvcache.kv_manager import cdiv
 from replica.attention import load_backend
 from replica.kv_offload import HostKVCache
 from replica.kv_sizing import KVCacheLayout
-from replica.request import FinishReason, Request
-from replica.scheduler import Scheduler
 from wire.sampling_params import SamplingParams
 
-BLOCK_SIZE = 2
-NUM_BLOCKS = 8
-HOST_SLOTS = 6
-MAX_LEN = NUM_BLOCKS * BLOCK_SIZE
 PARTIAL = b"partial"  # a device block whose tokens are not all written yet
 
 
-class HostTierMachine(RuleBasedStateMachine):
+class HostTierMachine(SchedulerMachine):
+    """The scheduler's machine (its abort and preempt rules, its block and queue
+    invariants) with a host tier, a shadow of every block's content, and the rules that
+    make prefixes come back after they were evicted: resending earlier prompts and
+    draining the queue."""
+
+    num_blocks, block_size, max_num_seqs = 8, 2, 3
+    num_host_blocks = 6
+
     def __init__(self):
         super().__init__()
-        self.kv = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, num_host_blocks=HOST_SLOTS)
-        self.scheduler = Scheduler(self.kv, max_num_batched_tokens=10, max_num_seqs=3)
         # What each device block and host slot holds: the chained hash of the tokens
         # whose KV it has (the model's KV is a function of them), PARTIAL, or None.
-        self.device: list[bytes | None] = [None] * NUM_BLOCKS
-        self.host: list[bytes | None] = [None] * HOST_SLOTS
-        self.live: dict[str, Request] = {}
+        self.device: list[bytes | None] = [None] * self.num_blocks
+        self.host: list[bytes | None] = [None] * self.num_host_blocks
         self.sent: list[list[int]] = []
-        self.next_id = 0
 
     @rule(
         # Few distinct tokens and long prompts: prefixes repeat and outgrow the device cache.
@@ -56,19 +55,14 @@ class HostTierMachine(RuleBasedStateMachine):
     )
     def add(self, prompt, max_tokens):
         self.sent.append(prompt)
-        rid = str(self.next_id)
-        self.next_id += 1
-        max_tokens = min(max_tokens, MAX_LEN - len(prompt))
-        request = Request(rid, prompt, SamplingParams(max_tokens=max_tokens), max_tokens=max_tokens)
-        self.scheduler.add(request)
-        self.live[rid] = request
+        self.submit(prompt, max_tokens)
 
     @rule(data=st.data(), more=st.lists(st.integers(0, 1), max_size=8), max_tokens=st.integers(1, 8))
     def resend(self, data, more, max_tokens):
         """A conversation's next turn: an earlier prompt again, with more after it."""
         if self.sent:
             earlier = data.draw(st.sampled_from(self.sent))
-            self.add([*earlier, *more][: MAX_LEN - 1], max_tokens)
+            self.add([*earlier, *more][: self.max_len - 1], max_tokens)
 
     @rule(token=st.integers(0, 1))
     def drain(self, token):
@@ -88,30 +82,15 @@ class HostTierMachine(RuleBasedStateMachine):
             self.host[slot] = self.device[block]
         for slot, block in copies.restore:
             self.device[block] = self.host[slot]
+        size = self.block_size
         for item in plan.scheduled:  # the forward writes the KV of each row's new tokens
             request = item.request
             blocks = self.kv.block_ids(request.request_id)
-            hashes = hash_full_blocks(request.token_ids[: item.context_len], BLOCK_SIZE)
-            for j in range(request.num_computed_tokens // BLOCK_SIZE, cdiv(item.context_len, BLOCK_SIZE)):
+            hashes = hash_full_blocks(request.token_ids[: item.context_len], size)
+            for j in range(request.num_computed_tokens // size, cdiv(item.context_len, size)):
                 self.device[blocks[j]] = hashes[j] if j < len(hashes) else PARTIAL
-        sampling = [s.request for s in plan.scheduled if s.produces_token]
-        self.scheduler.advance(plan)
-        for request in sampling:
-            request.token_ids.append(token)
-            if request.num_output_tokens >= request.max_tokens:
-                self.scheduler.finish(request, FinishReason.LENGTH)
-                del self.live[request.request_id]
-
-    @rule(data=st.data())
-    def abort(self, data):
-        if self.live:
-            rid = data.draw(st.sampled_from(sorted(self.live)))
-            self.scheduler.finish(self.live.pop(rid), FinishReason.ABORT)
-
-    @rule(data=st.data())
-    def preempt(self, data):
-        if self.scheduler.running:
-            self.scheduler.preempt(data.draw(st.sampled_from(self.scheduler.running)))
+        for request in complete_step(self.scheduler, plan, token):
+            del self.live[request.request_id]
 
     @invariant()
     def every_cached_block_holds_its_hash(self):
@@ -125,25 +104,14 @@ class HostTierMachine(RuleBasedStateMachine):
         host = self.kv.host
         held = list(host._slots.values())
         assert len(set(held)) == len(held)
-        assert sorted(held + host._free) == list(range(HOST_SLOTS))
+        assert sorted(held + host._free) == list(range(self.num_host_blocks))
         assert not host._pinned and not host._copies  # every step took its copies
 
-    @invariant()
-    def device_blocks_are_accounted_for(self):
-        holders: dict[int, int] = {}
-        for request in self.live.values():
-            for block_id in self.kv.block_ids(request.request_id):
-                holders[block_id] = holders.get(block_id, 0) + 1
-        for block in self.kv.pool.blocks:
-            assert block.ref_count == holders.get(block.block_id, 0)
-
     def teardown(self):
-        for request in list(self.live.values()):
-            self.scheduler.finish(request, FinishReason.ABORT)
-        assert self.kv.num_free_blocks == NUM_BLOCKS
+        super().teardown()  # every request aborted, every device block free
         stats = self.kv.stats()
         assert stats.host_cache_hits == self.kv.host.num_restored
-        assert stats.num_host_cached_blocks <= HOST_SLOTS
+        assert stats.num_host_cached_blocks <= self.num_host_blocks
 
 
 HostTierMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)

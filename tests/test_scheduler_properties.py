@@ -16,7 +16,6 @@ from wire.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 12
-MAX_LEN = NUM_BLOCKS * BLOCK_SIZE
 
 
 def complete_step(scheduler: Scheduler, plan, token: int) -> list[Request]:
@@ -34,26 +33,43 @@ def complete_step(scheduler: Scheduler, plan, token: int) -> list[Request]:
 
 
 class SchedulerMachine(RuleBasedStateMachine):
+    """Subclasses change the policy, the sizes, or (tests/test_host_tier.py) add a host tier."""
+
     policy = "fcfs"
+    num_blocks, block_size, max_num_seqs = NUM_BLOCKS, BLOCK_SIZE, 4
+    num_host_blocks = 0
 
     def __init__(self):
         super().__init__()
-        self.kv = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=True)
-        self.scheduler = Scheduler(self.kv, max_num_batched_tokens=10, max_num_seqs=4, policy=self.policy)
+        self.kv = KVCacheManager(
+            self.num_blocks, self.block_size, enable_prefix_caching=True, num_host_blocks=self.num_host_blocks
+        )
+        self.scheduler = Scheduler(
+            self.kv, max_num_batched_tokens=10, max_num_seqs=self.max_num_seqs, policy=self.policy
+        )
         self.live: dict[str, Request] = {}
         self.next_id = 0
+
+    @property
+    def max_len(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def submit(self, prompt: list[int], max_tokens: int, priority: int = 0) -> None:
+        """A request of `prompt`, its max_tokens cut to what the KV cache can hold."""
+        rid = str(self.next_id)
+        self.next_id += 1
+        max_tokens = min(max_tokens, self.max_len - len(prompt))
+        params = SamplingParams(max_tokens=max_tokens)
+        request = Request(rid, prompt, params, max_tokens=max_tokens, priority=priority)
+        self.scheduler.add(request)
+        self.live[rid] = request
 
     @rule(
         prompt=st.lists(st.integers(0, 2), min_size=1, max_size=20),  # tiny vocab: shared prefixes
         max_tokens=st.integers(1, 12),
     )
     def add(self, prompt, max_tokens):
-        rid = str(self.next_id)
-        self.next_id += 1
-        max_tokens = min(max_tokens, MAX_LEN - len(prompt))
-        request = Request(rid, prompt, SamplingParams(max_tokens=max_tokens), max_tokens=max_tokens)
-        self.scheduler.add(request)
-        self.live[rid] = request
+        self.submit(prompt, max_tokens)
 
     @rule(token=st.integers(0, 2))
     def step(self, token):
@@ -85,7 +101,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert self.kv.block_ids(request.request_id) == []
         for request in self.scheduler.running:
             held = len(self.kv.block_ids(request.request_id))
-            assert held * BLOCK_SIZE >= request.num_computed_tokens
+            assert held * self.block_size >= request.num_computed_tokens
         for block_hash, block_id in self.kv.pool._cached.items():
             assert self.kv.pool.blocks[block_id].block_hash == block_hash
 
@@ -95,12 +111,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         waiting = {r.request_id for r in self.scheduler.waiting}
         assert not running & waiting
         assert running | waiting == set(self.live)
-        assert len(running) <= 4
+        assert len(running) <= self.max_num_seqs
 
     def teardown(self):
         for request in list(self.live.values()):
             self.scheduler.finish(request, FinishReason.ABORT)
-        assert self.kv.num_free_blocks == NUM_BLOCKS
+        assert self.kv.num_free_blocks == self.num_blocks
         assert all(b.ref_count == 0 for b in self.kv.pool.blocks)
         assert not self.scheduler.has_unfinished()
 
@@ -155,12 +171,7 @@ class PrioritySchedulerMachine(SchedulerMachine):
         priority=st.integers(-1, 2),
     )
     def add(self, prompt, max_tokens, priority):
-        rid = str(self.next_id)
-        self.next_id += 1
-        max_tokens = min(max_tokens, MAX_LEN - len(prompt))
-        request = Request(rid, prompt, SamplingParams(max_tokens=max_tokens), max_tokens, priority=priority)
-        self.scheduler.add(request)
-        self.live[rid] = request
+        self.submit(prompt, max_tokens, priority)
 
     @rule(token=st.integers(0, 2))
     def step(self, token):
