@@ -96,7 +96,8 @@ def test_rows_with_duplicate_ids_become_error_rows_and_none_is_lost(ray_cluster,
 
 
 def test_parquet_in_parquet_out(ray_cluster, tmp_path, model_path):
-    rows = [{"id": f"p{i}", "prompt": f"Hello {i}", "max_tokens": 3} for i in range(20)]
+    # ignore_eos: rows sample at the default temperature, and a sampled EOS would end one early
+    rows = [{"id": f"p{i}", "prompt": f"Hello {i}", "max_tokens": 3, "ignore_eos": True} for i in range(20)]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "in.parquet")
     summary = run_batch(
         str(tmp_path / "in.parquet"),
