@@ -7,14 +7,26 @@ generator without a per-row sampler, and costs one random number per row, where 
 Gumbel-max trick needs one per vocabulary entry (on CPU, drawing [B, V] exponentials
 costs a large share of a decode step). Greedy rows take the argmax of
 the (penalised) logits.
+
+Top-k / top-p / min-p keep a prefix of the tokens ranked by probability. Sorting every
+row's vocabulary to find it costs more than a small model's whole decode step on CPU, and
+the kept prefix is usually a handful of tokens (a model's generation config, such as
+temperature 0.2 with top_p 0.9, is what served requests get by default). So each filtered
+row looks among its most likely tokens first (CANDIDATES, one topk each), and only a row
+whose kept tokens may reach past them sorts its whole vocabulary.
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from wire.outputs import TokenLogprob
+
+# How many of a filtered row's most likely tokens are ranked, in turn, before its whole
+# vocabulary is: the first holds the nucleus of a peaked distribution, the second that of
+# most others; a topk of either size costs a few percent of a full sort.
+CANDIDATES = (32, 1024)
 
 
 @dataclass
@@ -105,20 +117,95 @@ def sample(
     if batch.penalties is not None:
         logits = batch.penalties.apply(logits)
 
-    greedy_tokens = argmax(logits)
     if batch.all_greedy:
-        tokens = greedy_tokens
+        tokens = argmax(logits)
     else:
         temperature = batch.temperature.clamp_min(1e-5)[:, None]
-        probs = _filtered_probs(logits / temperature, batch)
-        sampled = _inverse_cdf(probs, _uniforms(probs, batch.generators))
-        tokens = torch.where(batch.temperature == 0, greedy_tokens, sampled)
+        sampled = _sample_filtered(logits / temperature, batch, _uniforms(logits, batch.generators))
+        greedy = batch.temperature == 0
+        tokens = torch.where(greedy, argmax(logits), sampled) if greedy.any() else sampled
 
     if raw_logprobs is None:
         return SamplerOutput(tokens)
     top_values, top_ids = raw_logprobs.topk(max(batch.max_logprobs, 1), dim=-1)
     chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0]
     return SamplerOutput(tokens, chosen, top_values, top_ids, batch.logprobs)
+
+
+def _sample_filtered(logits: torch.Tensor, batch: SamplingBatch, draws: torch.Tensor) -> torch.Tensor:
+    """Tokens [B] drawn from the distribution _filtered_probs gives each row. Rows without
+    a filter draw in vocabulary order, as the fused temperature kernel does, so a seeded row
+    draws the same whatever its neighbours ask for; filtered rows draw by rank among their
+    kept tokens."""
+    filtered = _filtered_rows(batch, logits.shape[-1])
+    tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+    plain = ~filtered
+    if plain.any():
+        tokens[plain] = _inverse_cdf(logits[plain].softmax(dim=-1), draws[plain])
+    rows, probs = filtered.nonzero()[:, 0], None
+    for k in CANDIDATES:
+        if len(rows) == 0:
+            return tokens
+        if probs is None or len(probs) != len(rows):
+            probs = (logits if len(rows) == logits.shape[0] else logits[rows]).softmax(dim=-1)
+        top_probs, ids = probs.topk(min(k, logits.shape[-1]), dim=-1)
+        weights, covered = _kept(top_probs, _batch_rows(batch, rows), logits.shape[-1])
+        ranks = _inverse_cdf(weights, draws[rows]).clamp_max_((weights > 0).sum(dim=-1) - 1)
+        tokens[rows[covered]] = ids.gather(1, ranks[:, None])[covered, 0]
+        rows, probs = rows[~covered], probs[~covered]
+    if len(rows):
+        probs = _filtered_probs(logits[rows], _batch_rows(batch, rows))
+        tokens[rows] = _inverse_cdf(probs, draws[rows])
+    return tokens
+
+
+def _filtered_rows(batch: SamplingBatch, vocab_size: int) -> torch.Tensor:
+    """[B] bool: the rows whose top-k, top-p or min-p removes anything."""
+    filtered = torch.zeros(len(batch.generators), dtype=torch.bool, device=batch.temperature.device)
+    if batch.top_k is not None:
+        filtered |= batch.top_k < vocab_size
+    if batch.top_p is not None:
+        filtered |= batch.top_p < 1
+    if batch.min_p is not None:
+        filtered |= batch.min_p > 0
+    return filtered
+
+
+def _batch_rows(batch: SamplingBatch, rows: torch.Tensor) -> SamplingBatch:
+    """The filters of some rows (what _kept and _filtered_probs read)."""
+
+    def pick(column: torch.Tensor | None) -> torch.Tensor | None:
+        return None if column is None else column[rows]
+
+    return replace(batch, top_k=pick(batch.top_k), top_p=pick(batch.top_p), min_p=pick(batch.min_p))
+
+
+def _kept(
+    top_probs: torch.Tensor, batch: SamplingBatch, vocab_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """top_probs: [B, k], each row's k largest probabilities, by rank. Returns them where
+    the filters keep them (0 where not), and [B] whether the row keeps no token beyond
+    them (then these weights, normalised, are _filtered_probs' row).
+
+    The kept tokens are a prefix by rank. A token past the k-th is dropped when the row's
+    top_k is at most k, when the k candidates already hold top_p of the mass (every later
+    token's mass before it is at least that), or when the k-th candidate is already below
+    min_p of the top token (every later one is at most as likely)."""
+    rows, k = top_probs.shape
+    keep = torch.ones_like(top_probs, dtype=torch.bool)
+    covered = torch.full((rows,), k == vocab_size, dtype=torch.bool, device=top_probs.device)
+    if batch.top_k is not None:
+        keep &= torch.arange(k, device=top_probs.device)[None, :] < batch.top_k[:, None]
+        covered |= batch.top_k <= k
+    if batch.top_p is not None:
+        mass = top_probs.cumsum(dim=-1)
+        keep &= mass - top_probs < batch.top_p[:, None]
+        covered |= mass[:, -1] >= batch.top_p
+    if batch.min_p is not None:
+        threshold = batch.min_p * top_probs[:, 0]
+        keep &= top_probs >= threshold[:, None]
+        covered |= top_probs[:, -1] < threshold
+    return top_probs.masked_fill(~keep, 0.0), covered
 
 
 def _filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

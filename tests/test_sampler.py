@@ -3,10 +3,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from replica import sampler
 from replica.cpu import build
 from replica.cpu import ops as cpu_ops
 from replica.request import Request
-from replica.sampler import sample
+from replica.sampler import SamplingBatch, _filtered_probs, _kept, sample
 from replica.sampling_state import SamplingState
 from wire.sampling_params import SamplingParams
 
@@ -172,3 +173,78 @@ def test_a_reused_slot_starts_clean():
     assert not batch.penalties.output_counts.any()
     assert batch.penalties.seen[0].nonzero().flatten().tolist() == [2]
     assert batch.penalties.presence.item() == 0 and batch.temperature.item() == 0.5
+
+
+def _filters(rows: int, vocab: int, top_k, top_p, min_p) -> SamplingBatch:
+    """A batch whose rows all ask for the same filters (None: not asked)."""
+    column = lambda value, dtype: None if value is None else torch.full((rows,), value, dtype=dtype)  # noqa: E731
+    return SamplingBatch(
+        temperature=torch.ones(rows),
+        top_k=column(top_k, torch.long),
+        top_p=column(top_p, torch.float32),
+        min_p=column(min_p, torch.float32),
+        generators=[None] * rows,
+        all_greedy=False,
+        penalties=None,
+        logprobs=[None] * rows,
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_candidates_keep_what_sorting_the_vocabulary_keeps(data):
+    """Wherever _kept says a row's kept tokens all lie among its k most likely, they are the
+    tokens _filtered_probs (which sorts the whole vocabulary) keeps, with its probabilities.
+    Ties at the boundary may keep a different one of equal tokens, so the probabilities
+    are compared as sorted lists, and the ids only where no two logits are equal."""
+    vocab = data.draw(st.integers(2, 40), label="vocab")
+    values = st.floats(-8, 8, allow_nan=False) | st.sampled_from([-1.0, 0.0, 2.5])  # ties too
+    logits = torch.tensor(data.draw(st.lists(values, min_size=vocab, max_size=vocab)))[None, :]
+    top_k = data.draw(st.none() | st.integers(1, vocab), label="top_k")
+    top_p = data.draw(st.none() | st.floats(1e-3, 1.0, exclude_max=True), label="top_p")
+    min_p = data.draw(st.none() | st.floats(1e-3, 1.0, exclude_max=True), label="min_p")
+    k = data.draw(st.integers(1, vocab), label="k")
+    batch = _filters(1, vocab, top_k or vocab, top_p, min_p)
+
+    top_probs, ids = logits.softmax(dim=-1).topk(k, dim=-1)
+    weights, covered = _kept(top_probs, batch, vocab)
+    reference = _filtered_probs(logits, batch)[0]
+    assert weights[0, 0] > 0  # the most likely token is always kept
+    assert covered.item() or k < vocab  # with every token a candidate, nothing lies beyond
+    if not covered.item():
+        assert (weights[0] > 0).sum() <= (reference > 0).sum()  # the row needs its vocabulary
+        return
+    kept = weights[0][weights[0] > 0]
+    expected = reference[reference > 0]  # weights: min_p leaves them unnormalised
+    assert len(kept) == len(expected)
+    assert torch.allclose(
+        (kept / kept.sum()).sort().values, (expected / expected.sum()).sort().values, atol=1e-5
+    )
+    if len(set(logits[0].tolist())) == vocab:
+        assert set(ids[0][weights[0] > 0].tolist()) == set(reference.nonzero()[:, 0].tolist())
+
+
+@pytest.mark.parametrize("candidates", [sampler.CANDIDATES, (2,), (3, 6)])
+def test_filtered_sampling_follows_the_filtered_distribution(candidates, monkeypatch):
+    """Drawn through the candidates or, where they do not hold a row's kept tokens, the
+    whole vocabulary: each row's tokens follow _filtered_probs, and an unfiltered row in
+    the same batch follows its softmax."""
+    monkeypatch.setattr(sampler, "CANDIDATES", candidates)
+    probs = torch.tensor([0.35, 0.25, 0.2, 0.1, 0.06, 0.04] + [0.0] * (V - 6))
+    logits = probs.clamp_min(1e-30).log().repeat(4, 1)
+    params = [
+        SamplingParams(temperature=1.0, top_p=0.75),  # keeps 3 tokens
+        SamplingParams(temperature=1.0, top_k=4),
+        SamplingParams(temperature=1.0, min_p=0.2),  # keeps 4 (0.06 < 0.2 * 0.35)
+        SamplingParams(temperature=1.0),
+    ]
+    batch, _ = _batch(params)
+    draws = 4000
+    tokens = torch.tensor([_tokens(logits, batch) for _ in range(draws)])
+    for row, p in enumerate(params):
+        one = _filters(1, V, p.top_k or V, p.top_p if p.top_p < 1 else None, p.min_p or None)
+        expected = _filtered_probs(logits[:1], one)[0]
+        expected /= expected.sum()  # min_p leaves weights unnormalised
+        freq = torch.bincount(tokens[:, row], minlength=V).float() / draws
+        assert set(freq.nonzero()[:, 0].tolist()) <= set(expected.nonzero()[:, 0].tolist())
+        assert torch.allclose(freq, expected, atol=0.03), (row, freq[:6], expected[:6])
