@@ -124,7 +124,8 @@ def offline(record: dict) -> dict[str, str]:
 
 
 def serving_peers(record: dict) -> dict[str, str]:
-    """Each concurrency's output tokens/s per server, and kvserve's over vLLM's."""
+    """Each concurrency's output tokens/s per server, kvserve's over vLLM's, and kvserve
+    served at the largest concurrency over its engine alone."""
     out = {"dtype": record.get("dtype", "—")}
     over = {r["concurrency"]: r["output_throughput"] for r in record.get("kvserve_over_vllm", [])}
     runs: dict[int, list[str]] = {}
@@ -134,6 +135,11 @@ def serving_peers(record: dict) -> dict[str, str]:
     for concurrency, cells in runs.items():
         tail = f" ({ratio(over[concurrency])})" if concurrency in over else ""
         out[f"concurrency {concurrency}, output tok/s"] = ", ".join(cells) + tail
+    if "served_over_offline" in record:
+        served = record["served_over_offline"]
+        offline = number(record["offline_kvserve"]["output_throughput"])
+        at = served["concurrency"]
+        out["served over offline"] = f"{ratio(served['ratio'])} at concurrency {at} (offline {offline})"
     return out
 
 

@@ -10,6 +10,11 @@ its own venv (bench/setup_vllm.sh), which also provides the `vllm bench serve` c
 servers and the client share this machine's cores, so the client's own CPU time is
 reported next to each figure. Every figure comes from a single run.
 
+Beside them, the engine alone (`--offline`, on by default): kvserve's `LLM.generate`, in
+this process on every core, on as many random prompts as the largest run sent, of the same
+lengths, with the sampling the servers give these requests (the model's generation config).
+Served throughput at the largest concurrency over it says what serving costs.
+
     python -m bench.serving_peers          # bench/results/serving_peers_<machine>.{json,png}
     python -m bench.serving_peers --smoke  # concurrency 2, 8 prompts, to the temp dir
 """
@@ -17,19 +22,23 @@ reported next to each figure. Every figure comes from a single run.
 import argparse
 import json
 import platform
+import random
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
+import torch
 
 from bench.machine import machine, write_result
 from bench.peers import VLLM_VENV
 from bench.plots import plot_serving_peers
 from bench.servers import VLLM_ENV, Server, kvserve_command, vllm_command
 from bench.vllm_bench_serve import bench_serve
+from kvserve import LLM, SamplingParams
 from replica.model_loader import BUNDLED_NAME, resolve_model
+from router.model_files import sampling_defaults
 
 PORT = 18600
 
@@ -45,6 +54,37 @@ def first_and_tenth(url: str, requests: int = 10) -> dict:
     return {"first_s": seconds[0], "tenth_s": seconds[-1], "first_over_tenth": seconds[0] / seconds[-1]}
 
 
+def num_prompts(concurrency: int, args) -> int:
+    return args.num_prompts or min(max(16, 4 * concurrency), 128)
+
+
+def offline_engine(model: Path, args, num_prompts: int) -> dict:
+    """LLM.generate on num_prompts random prompts of args.input_len tokens, args.output_len
+    tokens each (EOS ignored), with the model's sampling defaults; timed after a warm-up."""
+    llm = LLM(str(model), dtype=args.dtype)
+    defaults = sampling_defaults(model)
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, **defaults)
+    rng = random.Random(0)
+    vocab = llm.tokenizer.vocab_size
+
+    def prompts(n: int) -> list[list[int]]:
+        return [[rng.randrange(vocab) for _ in range(args.input_len)] for _ in range(n)]
+
+    llm.generate(prompts(4), params, use_tqdm=False)
+    batch = prompts(num_prompts)
+    start = time.perf_counter()
+    outputs = llm.generate(batch, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in outputs)
+    return {
+        "num_prompts": num_prompts,
+        "sampling": defaults,
+        "torch_threads": torch.get_num_threads(),
+        "seconds": seconds,
+        "output_throughput": tokens / seconds,
+    }
+
+
 def run_system(system: str, model: Path, args) -> dict:
     if system == "kvserve":
         command, env = kvserve_command(PORT, args.dtype), {}
@@ -58,8 +98,14 @@ def run_system(system: str, model: Path, args) -> dict:
         out["first_request"] = first_and_tenth(server.url)
         out["runs"] = []
         for concurrency in args.concurrency:
-            num_prompts = args.num_prompts or min(max(16, 4 * concurrency), 128)
-            run = bench_serve(server.url, model, args.input_len, args.output_len, concurrency, num_prompts)
+            run = bench_serve(
+                server.url,
+                model,
+                args.input_len,
+                args.output_len,
+                concurrency,
+                num_prompts(concurrency, args),
+            )
             out["runs"].append(run)
             print(system, json.dumps(run), flush=True)
     finally:
@@ -84,6 +130,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--out", type=Path, default=None, help="default: bench/results/serving_peers_<machine>.json"
+    )
+    parser.add_argument(
+        "--no-offline", dest="offline", action="store_false", help="skip the engine-alone run"
     )
     parser.add_argument("--smoke", action="store_true", help="tiny run, written to the temp dir")
     args = parser.parse_args()
@@ -110,6 +159,16 @@ def main() -> None:
             }
             for a, b in zip(kv, vl, strict=True)
         ]
+    if args.offline:
+        largest = max(args.concurrency)
+        offline = result["offline_kvserve"] = offline_engine(model, args, num_prompts(largest, args))
+        print("offline", json.dumps(offline), flush=True)
+        if "kvserve" in result["systems"]:
+            served = next(r for r in result["systems"]["kvserve"]["runs"] if r["concurrency"] == largest)
+            result["served_over_offline"] = {
+                "concurrency": largest,
+                "ratio": served["output_throughput"] / offline["output_throughput"],
+            }
     path = write_result("serving_peers", args, result, host, args.out, args.smoke)
     if not args.smoke and "kvserve_over_vllm" in result:
         plot_serving_peers({**result, "machine": host}, path.with_suffix(".png"))
