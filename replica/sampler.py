@@ -137,7 +137,7 @@ def _sample_filtered(logits: torch.Tensor, batch: SamplingBatch, draws: torch.Te
     a filter draw in vocabulary order, as the fused temperature kernel does, so a seeded row
     draws the same whatever its neighbours ask for; filtered rows draw by rank among their
     kept tokens."""
-    filtered = _filtered_rows(batch, logits.shape[-1])
+    filtered = _filtered_rows(batch, logits)
     tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
     plain = ~filtered
     if plain.any():
@@ -159,9 +159,33 @@ def _sample_filtered(logits: torch.Tensor, batch: SamplingBatch, draws: torch.Te
     return tokens
 
 
-def _filtered_rows(batch: SamplingBatch, vocab_size: int) -> torch.Tensor:
+def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """[B, V]: each row's distribution after its filters, normalised and whole, as
+    verification needs it: from the row's candidates where they hold its kept tokens, else
+    by sorting its vocabulary (_filtered_probs)."""
+    probs = logits.softmax(dim=-1)
+    vocab_size = logits.shape[-1]
+    rows = _filtered_rows(batch, logits).nonzero()[:, 0]
+    for k in CANDIDATES:
+        if len(rows) == 0:
+            return probs
+        top_probs, ids = probs[rows].topk(min(k, vocab_size), dim=-1)
+        weights, covered = _kept(top_probs, _batch_rows(batch, rows), vocab_size)
+        weights = weights[covered] / weights[covered].sum(dim=-1, keepdim=True)
+        probs[rows[covered]] = (
+            torch.zeros_like(weights[:, :1]).expand(-1, vocab_size).scatter(1, ids[covered], weights)
+        )
+        rows = rows[~covered]
+    if len(rows):
+        kept = _filtered_probs(logits[rows], _batch_rows(batch, rows))
+        probs[rows] = kept / kept.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def _filtered_rows(batch: SamplingBatch, logits: torch.Tensor) -> torch.Tensor:
     """[B] bool: the rows whose top-k, top-p or min-p removes anything."""
-    filtered = torch.zeros(len(batch.generators), dtype=torch.bool, device=batch.temperature.device)
+    vocab_size = logits.shape[-1]
+    filtered = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
     if batch.top_k is not None:
         filtered |= batch.top_k < vocab_size
     if batch.top_p is not None:

@@ -1,3 +1,5 @@
+import unittest.mock
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -7,7 +9,7 @@ from replica import sampler
 from replica.cpu import build
 from replica.cpu import ops as cpu_ops
 from replica.request import Request
-from replica.sampler import SamplingBatch, _filtered_probs, _kept, sample
+from replica.sampler import SamplingBatch, _filtered_probs, _kept, filtered_probs, sample
 from replica.sampling_state import SamplingState
 from wire.sampling_params import SamplingParams
 
@@ -194,7 +196,8 @@ def _filters(rows: int, vocab: int, top_k, top_p, min_p) -> SamplingBatch:
 @given(data=st.data())
 def test_candidates_keep_what_sorting_the_vocabulary_keeps(data):
     """Wherever _kept says a row's kept tokens all lie among its k most likely, they are the
-    tokens _filtered_probs (which sorts the whole vocabulary) keeps, with its probabilities.
+    tokens _filtered_probs (which sorts the whole vocabulary) keeps, with its probabilities;
+    filtered_probs, which verification reads, is its distribution whole and normalised.
     Ties at the boundary may keep a different one of equal tokens, so the probabilities
     are compared as sorted lists, and the ids only where no two logits are equal."""
     vocab = data.draw(st.integers(2, 40), label="vocab")
@@ -205,10 +208,19 @@ def test_candidates_keep_what_sorting_the_vocabulary_keeps(data):
     min_p = data.draw(st.none() | st.floats(1e-3, 1.0, exclude_max=True), label="min_p")
     k = data.draw(st.integers(1, vocab), label="k")
     batch = _filters(1, vocab, top_k or vocab, top_p, min_p)
+    reference = _filtered_probs(logits, batch)[0]
+    ties = len(set(logits[0].tolist())) < vocab
+
+    # Verification's whole distribution, through candidates of any sizes or the vocabulary.
+    candidates = tuple(sorted(data.draw(st.lists(st.integers(1, vocab), max_size=2), label="candidates")))
+    with unittest.mock.patch.object(sampler, "CANDIDATES", candidates):
+        whole = filtered_probs(logits, batch)[0]
+    normalised = reference / reference.sum()
+    assert torch.allclose(whole.sort().values, normalised.sort().values, atol=1e-5)
+    assert ties or torch.allclose(whole, normalised, atol=1e-5)
 
     top_probs, ids = logits.softmax(dim=-1).topk(k, dim=-1)
     weights, covered = _kept(top_probs, batch, vocab)
-    reference = _filtered_probs(logits, batch)[0]
     assert weights[0, 0] > 0  # the most likely token is always kept
     assert covered.item() or k < vocab  # with every token a candidate, nothing lies beyond
     if not covered.item():
@@ -220,7 +232,7 @@ def test_candidates_keep_what_sorting_the_vocabulary_keeps(data):
     assert torch.allclose(
         (kept / kept.sum()).sort().values, (expected / expected.sum()).sort().values, atol=1e-5
     )
-    if len(set(logits[0].tolist())) == vocab:
+    if not ties:
         assert set(ids[0][weights[0] > 0].tolist()) == set(reference.nonzero()[:, 0].tolist())
 
 

@@ -124,7 +124,7 @@ def _request(params: SamplingParams, seed: int) -> Request:
 
 
 def _expected_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, top-k and top-p as the sampler applies them, written out plainly."""
+    """Temperature, top-k, top-p and min-p as the sampler applies them, written out plainly."""
     probs = torch.softmax(logits / params.temperature, dim=-1)
     order = probs.argsort(descending=True)
     keep = torch.zeros_like(probs, dtype=torch.bool)
@@ -135,6 +135,8 @@ def _expected_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         keep[token] = True
         mass += float(probs[token])
     probs = probs * keep
+    if params.min_p:
+        probs = probs * (probs >= params.min_p * probs.max())
     return probs / probs.sum()
 
 
@@ -183,6 +185,12 @@ def test_draft_model_proposals_leave_the_target_distribution():
 def test_ngram_proposals_leave_the_filtered_target_distribution():
     params = SamplingParams(temperature=0.7, top_k=8, top_p=0.9)
     _check_rejection_sampling(params, draft_seed=None)
+
+
+def test_ngram_proposals_leave_the_min_p_target_distribution():
+    """min_p leaves weights that do not sum to 1: accepting the draft with its weight as
+    p(d) would accept it too rarely."""
+    _check_rejection_sampling(SamplingParams(temperature=1.0, min_p=0.8), draft_seed=None)  # keeps 3 of 12
 
 
 def test_greedy_verification_accepts_the_argmax_prefix():

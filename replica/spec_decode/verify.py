@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from replica.request import Request
-from replica.sampler import SamplingBatch, _filtered_probs
+from replica.sampler import SamplingBatch, filtered_probs
 from wire.outputs import TokenLogprob
 
 
@@ -91,7 +91,8 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def _target_probs(logits: torch.Tensor, request: Request) -> torch.Tensor:
-    """The sampler's distribution for one row: temperature, then top-k / top-p / min-p."""
+    """The sampler's distribution for one row, normalised: temperature, then top-k / top-p /
+    min-p."""
     p = request.params
     device = logits.device
     batch = SamplingBatch(
@@ -104,7 +105,7 @@ def _target_probs(logits: torch.Tensor, request: Request) -> torch.Tensor:
         penalties=None,
         logprobs=[None],
     )
-    return _filtered_probs(logits / max(p.temperature, 1e-5), batch)
+    return filtered_probs(logits / max(p.temperature, 1e-5), batch)
 
 
 def _uniform(generator: torch.Generator | None) -> float:
