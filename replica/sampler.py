@@ -11,9 +11,9 @@ the (penalised) logits.
 Top-k / top-p / min-p keep a prefix of the tokens ranked by probability. Sorting every
 row's vocabulary to find it costs more than a small model's whole decode step on CPU, and
 the kept prefix is usually a handful of tokens (a model's generation config, such as
-temperature 0.2 with top_p 0.9, is what served requests get by default). So each filtered
-row looks among its most likely tokens first (CANDIDATES, one topk each), and only a row
-whose kept tokens may reach past them sorts its whole vocabulary.
+temperature 0.2 with top_p 0.9, is what served requests get by default). So on CPU each
+filtered row looks among its most likely tokens first (CANDIDATES, one topk each), and
+only a row whose kept tokens may reach past them sorts its whole vocabulary.
 """
 
 from collections.abc import Callable
@@ -120,10 +120,19 @@ def sample(
     if batch.all_greedy:
         tokens = argmax(logits)
     else:
-        temperature = batch.temperature.clamp_min(1e-5)[:, None]
-        sampled = _sample_filtered(logits / temperature, batch, _uniforms(logits, batch.generators))
+        scaled = logits / batch.temperature.clamp_min(1e-5)[:, None]
+        draws = _uniforms(logits, batch.generators)
         greedy = batch.temperature == 0
-        tokens = torch.where(greedy, argmax(logits), sampled) if greedy.any() else sampled
+        if logits.device.type == "cpu":
+            tokens = _sample_filtered(scaled, batch, draws)
+            if greedy.any():
+                tokens = torch.where(greedy, argmax(logits), tokens)
+        else:
+            # The candidates split rows by what they hold, which would make the host wait
+            # for the step; a GPU sorts a vocabulary quickly, and async scheduling needs a
+            # step whose tokens stay on the device.
+            tokens = _inverse_cdf(_filtered_probs(scaled, batch), draws)
+            tokens = torch.where(greedy, argmax(logits), tokens)
 
     if raw_logprobs is None:
         return SamplerOutput(tokens)
