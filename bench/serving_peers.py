@@ -58,8 +58,8 @@ def num_prompts(concurrency: int, args) -> int:
     return args.num_prompts or min(max(16, 4 * concurrency), 128)
 
 
-def offline_engine(model: Path, args, num_prompts: int) -> dict:
-    """LLM.generate on num_prompts random prompts of args.input_len tokens, args.output_len
+def offline_engine(model: Path, args, requests: int) -> dict:
+    """LLM.generate on `requests` random prompts of args.input_len tokens, args.output_len
     tokens each (EOS ignored), with the model's sampling defaults; timed after a warm-up."""
     llm = LLM(str(model), dtype=args.dtype)
     defaults = sampling_defaults(model)
@@ -71,13 +71,13 @@ def offline_engine(model: Path, args, num_prompts: int) -> dict:
         return [[rng.randrange(vocab) for _ in range(args.input_len)] for _ in range(n)]
 
     llm.generate(prompts(4), params, use_tqdm=False)
-    batch = prompts(num_prompts)
+    batch = prompts(requests)
     start = time.perf_counter()
     outputs = llm.generate(batch, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for o in outputs)
     return {
-        "num_prompts": num_prompts,
+        "num_prompts": requests,
         "sampling": defaults,
         "torch_threads": torch.get_num_threads(),
         "seconds": seconds,

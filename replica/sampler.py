@@ -151,12 +151,11 @@ def _sample_filtered(logits: torch.Tensor, batch: SamplingBatch, draws: torch.Te
     plain = ~filtered
     if plain.any():
         tokens[plain] = _inverse_cdf(logits[plain].softmax(dim=-1), draws[plain])
-    rows, probs = filtered.nonzero()[:, 0], None
+    rows = filtered.nonzero()[:, 0]
+    probs = (logits if len(rows) == logits.shape[0] else logits[rows]).softmax(dim=-1)
     for k in CANDIDATES:
         if len(rows) == 0:
             return tokens
-        if probs is None or len(probs) != len(rows):
-            probs = (logits if len(rows) == logits.shape[0] else logits[rows]).softmax(dim=-1)
         top_probs, ids = probs.topk(min(k, logits.shape[-1]), dim=-1)
         weights, covered = _kept(top_probs, _batch_rows(batch, rows), logits.shape[-1])
         ranks = _inverse_cdf(weights, draws[rows]).clamp_max_((weights > 0).sum(dim=-1) - 1)
