@@ -2,13 +2,15 @@
 by side in one process: what the linears take in memory, the KV blocks one
 --kv-cache-memory-gb holds, perplexity on a held-out English text through the engine's
 own prompt logprobs, greedy answers to factual prompts, and single-stream decode speed,
-timed in turns. Weight quantizations (--quantizations) and KV cache dtypes
-(--kv-cache-dtypes) run alone and together.
+timed in turns. Weight quantizations (--quantizations; "gguf": the bundled model's own
+Q4_1 and Q8_0 blocks) and KV cache dtypes (--kv-cache-dtypes) run alone and together.
 
 The text is the first --tokens tokens of /usr/share/common-licenses/GPL-3 (every Debian
 machine has it; nobody tuned on it).
 
     python -m bench.quantization --dtype float32   # -> bench/results/quantization_<machine>.json
+    python -m bench.quantization --dtype bfloat16 --also-dtypes float32 --quantizations gguf \
+        --kv-cache-dtypes --out bench/results/gguf_<machine>.json
 """
 
 import argparse
@@ -57,6 +59,11 @@ def decode_seconds_per_token(llm: LLM, tokens: int) -> float:
     start = time.perf_counter()
     llm.generate([[1, 504, 3458, 282, 4649, 314, 253, 2012]], params, use_tqdm=False)
     return (time.perf_counter() - start) / tokens
+
+
+def _weight_bytes(row: dict) -> int:
+    """Every weight the engine holds: the linears and the rest (embeddings, norms)."""
+    return row["weights"]["linear_bytes"] + row["weights"]["other_bytes"]
 
 
 def main() -> None:
@@ -123,6 +130,7 @@ def main() -> None:
         row["vs"] = {
             base: {
                 "linear_bytes": row["weights"]["linear_bytes"] / results[base]["weights"]["linear_bytes"],
+                "weight_bytes": _weight_bytes(row) / _weight_bytes(results[base]),
                 "kv_blocks": row["kv_cache"]["blocks"] / results[base]["kv_cache"]["blocks"],
                 "perplexity": row["perplexity"] / results[base]["perplexity"],
                 "decode_speedup": results[base]["decode_s_per_token"] / row["decode_s_per_token"],
@@ -132,7 +140,8 @@ def main() -> None:
         ratio = row["vs"][args.dtype]
         print(
             f"{name}: linears {row['weights']['linear_bytes'] / 2**20:.1f} MiB "
-            f"({ratio['linear_bytes']:.3f}x), KV blocks {row['kv_cache']['blocks']} "
+            f"({ratio['linear_bytes']:.3f}x; all weights {ratio['weight_bytes']:.3f}x), "
+            f"KV blocks {row['kv_cache']['blocks']} "
             f"({ratio['kv_blocks']:.2f}x), "
             f"perplexity {row['perplexity']:.3f} ({ratio['perplexity']:.4f}x), decode "
             f"{1 / row['decode_s_per_token']:.1f} tok/s ({ratio['decode_speedup']:.2f}x), "

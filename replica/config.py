@@ -11,7 +11,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flash_attn")
 CPU_KERNEL_CHOICES = ("auto", "gemm.c", "onednn", "torch")
 # vLLM's names: int8 or fp8 (e4m3) weights, activations quantized per token; int8 on CPUs
 # (replica/cpu/int8.py) and GPUs, fp8 on GPUs (replica/quantized_linear.py).
-QUANTIZATIONS = (None, "int8", "fp8")
+QUANTIZATIONS = (None, "int8", "fp8", "gguf")
 # vLLM's names (replica/kv_quant.py); "auto" keeps K and V in the model's dtype.
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 
@@ -106,12 +106,14 @@ class EngineConfig:
     # Weight quantization at load, vLLM's argument. "int8" (CPUs and GPUs) or "fp8" (e4m3,
     # GPUs of compute capability 8.9 or newer): each decoder linear's weight in 8 bits with
     # one scale per output row, its activations quantized per token at each step, and
-    # lm_head's alike. The embeddings stay in `dtype`.
+    # lm_head's alike. The embeddings stay in `dtype`. "gguf" (CPUs, a .gguf model): the
+    # file's own 4- to 8-bit blocks, embeddings included (replica/gguf_blocks.py).
     quantization: str | None = field(
         default=None,
         metadata={
             "help": "int8 (CPUs and GPUs) or fp8 (GPUs of compute capability 8.9+): each decoder linear's "
-            "weight in 8 bits, its activations quantized per token",
+            "weight in 8 bits, its activations quantized per token; gguf (CPUs, a .gguf model): the "
+            "file's own quantized blocks",
             "choices": QUANTIZATIONS,
         },
     )

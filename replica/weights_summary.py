@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from replica.cpu.layers import PackedLinear
+from replica.cpu.layers import GroupQuantEmbedding, PackedLinear
 from replica.quantized_linear import QuantizedLinear
 
 
@@ -22,6 +22,13 @@ class WeightsSummary:
         linears = [m for m in model.modules() if isinstance(m, PackedLinear | QuantizedLinear | nn.Linear)]
         counted = {id(p) for m in linears for p in m.parameters(recurse=False)}
         other = sum(_nbytes(p) for p in model.parameters() if id(p) not in counted)
+        # Quantized embeddings, unless a tied lm_head holds the same blocks.
+        layouts = {id(w) for m in linears if isinstance(m, PackedLinear) for w, _ in m.layouts.values()}
+        other += sum(
+            m.weight_blocks.nbytes()
+            for m in model.modules()
+            if isinstance(m, GroupQuantEmbedding) and id(m.weight_blocks) not in layouts
+        )
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         return cls(quantization, dtype, sum(_linear_bytes(m) for m in linears), other)
 

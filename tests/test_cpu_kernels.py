@@ -348,7 +348,10 @@ def _header_prototypes() -> dict[str, tuple[list, object]]:
     text = re.sub(r"typedef struct \{.*?\} \w+;", "", text, flags=re.S)
     scalars = {"void": None, "int": ctypes.c_int, "int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64,
                "float": ctypes.c_float, "size_t": ctypes.c_size_t}  # fmt: skip
-    structs = {s.__name__: ctypes.POINTER(s) for s in (abi.StepLayout, abi.DecoderShape, abi.DecoderLayer)}
+    structs = {
+        s.__name__: ctypes.POINTER(s)
+        for s in (abi.StepLayout, abi.DecoderShape, abi.DecoderLayer, abi.GroupWeight)
+    }
 
     def ctype(declaration: str):
         words = declaration.replace("*", " * ").split()

@@ -20,14 +20,21 @@ class StepLayout(ctypes.Structure):
     ]  # fmt: skip
 
 
+class GroupWeight(ctypes.Structure):
+    """A group-quantized weight's tensors and format (group_quant.GroupQuantWeight)."""
+
+    _fields_ = [("qs", _ptr), ("scales", _ptr), ("mins", _ptr), ("group", _int), ("bits", _int)]
+
+
 class DecoderLayer(ctypes.Structure):
     """One decoder layer's packed weights and KV cache (with its fp8 scales), for decoder_forward."""
 
     _fields_ = [
         *((name, _ptr)
           for name in ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up", "gate_up_bias",
-                       "down", "down_bias", "qkv_scale", "o_scale", "gate_up_scale", "down_scale", "k_cache",
-                       "v_cache")),
+                       "down", "down_bias", "qkv_scale", "o_scale", "gate_up_scale", "down_scale")),
+        *((name, GroupWeight) for name in ("qkv_group", "o_group", "gate_up_group", "down_group")),
+        ("k_cache", _ptr), ("v_cache", _ptr),
         ("k_scale", _float), ("v_scale", _float),
     ]  # fmt: skip
 
@@ -37,7 +44,8 @@ class DecoderShape(ctypes.Structure):
 
     _fields_ = [
         *((name, _int) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim",
-                                    "intermediate", "block_size", "is_bf16", "is_int8", "kv_format")),
+                                    "intermediate", "block_size", "is_bf16", "is_int8", "is_group",
+                                    "kv_format")),
         ("eps", _float), ("scale", _float), ("final_norm", _ptr),
     ]  # fmt: skip
 

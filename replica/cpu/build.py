@@ -1,5 +1,6 @@
 """Build the C kernels (kernels.c, attention.c, attention_paired.c, gemm.c, gemm_int8.c,
-decoder.c) once per machine and load them with ctypes, bound as kvserve_abi.h declares them.
+gemm_group.c, decoder.c) once per machine and load them with ctypes, bound as
+kvserve_abi.h declares them.
 
 The library is compiled for the CPU it runs on (-march=native), so it is built where it
 is used, not shipped: the first engine on a machine compiles it (a few seconds) into
@@ -18,12 +19,20 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from replica.cpu.abi import SIZE_FUNCTIONS, DecoderLayer, DecoderShape, StepLayout
+from replica.cpu.abi import SIZE_FUNCTIONS, DecoderLayer, DecoderShape, GroupWeight, StepLayout
 from replica.model_loader import cache_lock, cache_root
 
 SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("kernels.c", "attention.c", "attention_paired.c", "gemm.c", "gemm_int8.c", "decoder.c")
+    for name in (
+        "kernels.c",
+        "attention.c",
+        "attention_paired.c",
+        "gemm.c",
+        "gemm_int8.c",
+        "gemm_group.c",
+        "decoder.c",
+    )
 ]
 HEADERS = [
     Path(__file__).with_name(name)
@@ -121,7 +130,9 @@ def _build(cc: str, target: Path) -> None:
 
 
 _p, _i64, _i32, _f32, _size = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_size_t
-_STEP, _SHAPE, _LAYERS = (ctypes.POINTER(s) for s in (StepLayout, DecoderShape, DecoderLayer))
+_STEP, _SHAPE, _LAYERS, _GROUP = (
+    ctypes.POINTER(s) for s in (StepLayout, DecoderShape, DecoderLayer, GroupWeight)
+)
 # Every function kvserve_abi.h declares: (argument types, result type).
 # tests/test_cpu_kernels.py checks them against the header's prototypes.
 SIGNATURES = {
@@ -155,6 +166,11 @@ SIGNATURES = {
     "packed_i8_weight_bytes": ([_i64, _i64], _i64),
     "pack_i8_weight": ([_p, _p, _i64, _i64], None),
     "gemm_i8": ([_p, _p, _p, _p, _p, _i64, _i64, _i64, _i32, _i32], None),
+    "group_gemm_available": ([], _i32),
+    "gemm_group": ([_p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i32, _i32, _i32], None),
+    "gemm_group_q8": ([_p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i32, _i32, _i32], None),
+    "dequantize_group": ([_p, _p, _p, _p, _i64, _i64, _i32, _i32, _i32, _i32], None),
+    "group_linear": ([_p, _p, _GROUP, _p, _i64, _i64, _i64, _i32, _i32, _i32, _i32], None),
     "decoder_forward": ([_SHAPE, _LAYERS, _STEP, _p, _p, _p, _p, _i64, _p, _p, _i32], None),
     "decoder_scratch_elements": ([_SHAPE, _i64], _i64),
     "kvserve_decoder_layer_size": ([], _size),

@@ -16,6 +16,7 @@ they can run, the C attention kernel for fresh prefills), "onednn" or "torch" (t
 library kernel for every linear, SDPA for fresh prefills)."""
 
 import bisect
+import copy
 import functools
 import hashlib
 import itertools
@@ -32,8 +33,9 @@ from pathlib import Path
 import torch
 
 from replica.config import CPU_KERNEL_CHOICES
-from replica.cpu import linear_kernels, ops
+from replica.cpu import group_quant, linear_kernels, ops
 from replica.cpu.build import library_key
+from replica.cpu.group_quant import GroupQuantWeight
 from replica.cpu.machine import fingerprint
 from replica.model_loader import cache_root
 
@@ -54,6 +56,10 @@ MARGIN = 0.1  # how much faster than the default kernel (fastest()) another kern
 # ones (its time there counts as infinite): torch's int8 kernel on a CPU without AVX-512
 # takes seconds a call at 2048 rows.
 GIVE_UP_RATIO = 4.0
+# Kernels whose cost at a few rows is a fixed one (a group weight dequantized at each call)
+# and whose cost per row is a library GEMM's: they lose by far at one row, and may win at
+# many, so they are timed at every bucket.
+NEVER_GIVEN_UP = frozenset({linear_kernels.GROUP_DEQUANT})
 
 
 @dataclass(frozen=True)
@@ -62,7 +68,9 @@ class LinearShape:
     in_features: int
     dtype: torch.dtype
     gated: bool = False
-    quantization: str | None = None  # "int8": the int8 kernels run it too
+    # "int8": the int8 kernels run it too; a group format ("q4g32m", group_quant.py): its
+    # weight holds a file's integers, which only the group kernels read
+    quantization: str | None = None
 
     def key(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
@@ -73,7 +81,10 @@ class LinearShape:
     def kernels(self) -> tuple[str, ...]:
         """The candidates, in the order of preference that fastest() breaks ties by: a
         quantized linear's unquantized kernels stay candidates, for the row counts where
-        they measure faster than every int8 one."""
+        they measure faster than every int8 one. A group-quantized linear has no float
+        weight to run them on (it would take 3-4 times the memory)."""
+        if group_quant.is_format(self.quantization):
+            return linear_kernels.GROUP_KERNELS
         quantized = linear_kernels.INT8_KERNELS if self.quantization == "int8" else ()
         return quantized + linear_kernels.LINEAR_KERNELS
 
@@ -129,7 +140,8 @@ def fastest(buckets: tuple[int, ...], seconds: dict[str, list[float]]) -> Linear
     """The fastest kernel at every row count up to the last bucket; seconds[kernel][i] is
     its time at buckets[i], and times in between are interpolated: a step's rows fall
     anywhere between the buckets, and the kernel that wins at a bucket's upper end can
-    lose well below it. The default (an int8 kernel where one was timed, else gemm.c
+    lose well below it. The default (gemm_group.c's exact kernel for a group-quantized
+    weight, an int8 kernel where one was timed, else gemm.c
     where it runs, else oneDNN, else the first kernel) keeps a row count unless another
     kernel beats it by more than MARGIN: a choice that flips on noise costs a second
     weight layout (for a quantized linear, a float one beside the int8 one), and gemm.c
@@ -143,7 +155,12 @@ def fastest(buckets: tuple[int, ...], seconds: dict[str, list[float]]) -> Linear
 
     Infinite times (kernels given up on, time_buckets) never run: at every row count the
     kernel chosen has a finite time wherever any kernel has one."""
-    preferred = (*linear_kernels.INT8_KERNELS, linear_kernels.GEMM_C, linear_kernels.ONEDNN)
+    preferred = (
+        linear_kernels.GROUP_GEMM_C,
+        *linear_kernels.INT8_KERNELS,
+        linear_kernels.GEMM_C,
+        linear_kernels.ONEDNN,
+    )
     default = next((k for k in preferred if k in seconds), next(iter(seconds)))
 
     def beats_default(kernel: str, i: int) -> bool:
@@ -178,6 +195,28 @@ def fastest(buckets: tuple[int, ...], seconds: dict[str, list[float]]) -> Linear
     return LinearChoice(tuple(bounds), tuple(kernels))
 
 
+def one_layout(buckets: tuple[int, ...], seconds: dict[str, list[float]]) -> LinearChoice:
+    """fastest() among the kernels that read one layout of a group-quantized weight: the
+    file's integers as they are (gemm_group.c's kernels and the dequantizing one), or
+    torch's int4 packing. Both layouts at once would double the weight's memory, which is
+    what 4 bits are for. torch's layout takes the linear only where its choice is more than
+    MARGIN faster, on average over the buckets, than the first's (each choice's time at a
+    bucket taken relative to the fastest kernel there)."""
+    own = {k: s for k, s in seconds.items() if k != linear_kernels.GROUP_TORCH}
+    choices = [fastest(buckets, own)] if own else []
+    if linear_kernels.GROUP_TORCH in seconds:
+        choices.append(fastest(buckets, {linear_kernels.GROUP_TORCH: seconds[linear_kernels.GROUP_TORCH]}))
+    best = [min(s[i] for s in seconds.values()) for i in range(len(buckets))]
+
+    def slowdown(choice: LinearChoice) -> float:
+        ratios = [seconds[choice.kernel_for(rows)][i] / best[i] for i, rows in enumerate(buckets)]
+        return sum(ratios) / len(ratios)
+
+    if len(choices) == 2 and slowdown(choices[1]) * (1 + MARGIN) < slowdown(choices[0]):
+        return choices[1]
+    return choices[0]
+
+
 def _time_rounds(calls: dict[str, Callable[[], None]]) -> dict[str, float]:
     """Seconds per call of each of `calls`: after one untimed call each, ROUNDS rounds in
     which the calls take turns, each repeated over at least MIN_TIMED_S; the best round
@@ -203,7 +242,8 @@ def time_buckets(
 ) -> dict[str, list[float]]:
     """Each kernel's seconds at each bucket, measure(rows, kernels) timing the kernels
     still in the running at that bucket's rows: one GIVE_UP_RATIO times slower than the
-    fastest at a bucket is not timed at larger ones, and counts as infinite there."""
+    fastest at a bucket is not timed at larger ones, and counts as infinite there (but
+    for NEVER_GIVEN_UP's)."""
     times: dict[str, list[float]] = {kernel: [] for kernel in kernels}
     timed = list(kernels)
     for rows in buckets:
@@ -211,7 +251,7 @@ def time_buckets(
         for kernel in kernels:
             times[kernel].append(measured.get(kernel, math.inf))
         best = min(measured.values())
-        timed = [k for k in timed if measured[k] <= GIVE_UP_RATIO * best]
+        timed = [k for k in timed if measured[k] <= GIVE_UP_RATIO * best or k in NEVER_GIVEN_UP]
     return times
 
 
@@ -221,12 +261,16 @@ def time_linears(kernels: list[str], shape: LinearShape, buckets: tuple[int, ...
     from memory, as a step reads each layer's weights once."""
     g = torch.Generator().manual_seed(0)
     weight = (torch.randn(shape.out_features, shape.in_features, generator=g) * 0.02).to(shape.dtype)
-    weight_bytes = weight.numel() * weight.element_size()
+    if group_quant.is_format(shape.quantization):
+        weight = group_quant.quantize(weight, shape.quantization)
+    weight_bytes = (
+        weight.nbytes() if isinstance(weight, GroupQuantWeight) else weight.numel() * weight.element_size()
+    )
     copies = max(1, min(256, STREAMED_BYTES // weight_bytes))
     out_features = shape.out_features // (2 if shape.gated else 1)
     layouts = {
         kernel: itertools.cycle(
-            [linear_kernels.pack(kernel, weight.clone(), None, shape.gated) for _ in range(copies)]
+            [linear_kernels.pack(kernel, copy.deepcopy(weight), None, shape.gated) for _ in range(copies)]
         )
         for kernel in kernels
     }
@@ -304,10 +348,18 @@ class KernelChooser:
     def linear(self, shape: LinearShape, max_rows: int | None = None) -> LinearChoice:
         """The kernel per row count for a linear of `shape` in steps of up to max_rows
         (default: the chooser's)."""
-        runnable = [k for k in shape.kernels() if linear_kernels.can_run(k, shape.dtype, shape.in_features)]
+        runnable = [
+            k
+            for k in shape.kernels()
+            if linear_kernels.can_run(
+                k, shape.dtype, shape.in_features, shape.quantization, shape.out_features
+            )
+        ]
         if self.forced != "auto":
-            # A quantized linear forced to "gemm.c" or "torch" runs that kernel's int8 version.
-            kernel = f"{shape.quantization} {self.forced}" if shape.quantization else self.forced
+            # A quantized linear forced to "gemm.c" or "torch" runs that kernel's int8 (or
+            # group) version.
+            kind = "group" if group_quant.is_format(shape.quantization) else shape.quantization
+            kernel = f"{kind} {self.forced}" if kind else self.forced
             if kernel not in runnable:
                 raise ValueError(
                     f"cpu_kernels={self.forced!r} cannot run a {shape.key()} here "
@@ -321,7 +373,11 @@ class KernelChooser:
                 seconds = self._timed(
                     shape.key(), runnable, buckets, lambda: time_linears(runnable, shape, buckets)
                 )
-                choice = self._choices[shape, buckets] = fastest(buckets, seconds)
+                choice = self._choices[shape, buckets] = (
+                    one_layout(buckets, seconds)
+                    if group_quant.is_format(shape.quantization)
+                    else fastest(buckets, seconds)
+                )
         self.chosen[shape.key().removeprefix("linear ")] = choice.describe()
         return choice
 

@@ -35,22 +35,32 @@ typedef struct {
     int num_decodes, decode_width, num_prefills, prefill_width;
 } StepLayout;
 
+/* A group-quantized weight (gemm_group.c's layout): the integers, fp16 scales and mins
+ * (NULL: none) per group of `group`, `bits` 4 or 8. */
+typedef struct {
+    const void* qs;
+    const uint16_t *scales, *mins;
+    int group, bits;
+} GroupWeight;
+
 /* One decoder layer's weights (packed by pack_bf16_weight or pack_f32_weight, in the
- * model's dtype, or by pack_i8_weight with their fp32 scales; biases may be NULL) and KV
- * cache, with its fp8 scales (1 for other caches). */
+ * model's dtype, or by pack_i8_weight with their fp32 scales, or group-quantized; biases
+ * may be NULL) and KV cache, with its fp8 scales (1 for other caches). */
 typedef struct {
     const void *input_norm, *post_norm;
     const void *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias;
     const float *qkv_scale, *o_scale, *gate_up_scale, *down_scale; /* int8 weights' only */
+    GroupWeight qkv_group, o_group, gate_up_group, down_group;     /* group weights' only */
     void *k_cache, *v_cache;
     float k_scale, v_scale;
 } DecoderLayer;
 
 /* The model's shapes, the same in every layer, its dtype (bf16 or fp32), whether the
- * linears' weights are int8 (gemm_i8's, for fp32 models) and the KV cache's kv_format. */
+ * linears' weights are int8 (gemm_i8's, for fp32 models) or group-quantized (is_group: 1
+ * for gemm_group's kernel, 2 for gemm_group_q8's) and the KV cache's kv_format. */
 typedef struct {
     int num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size, is_bf16, is_int8;
-    int kv_format;
+    int is_group, kv_format;
     float eps, scale;
     const void* final_norm;
 } DecoderShape;
@@ -97,6 +107,24 @@ int64_t packed_i8_weight_bytes(int64_t n, int64_t k);
 void pack_i8_weight(int8_t* dst, const int8_t* w, int64_t n, int64_t k);
 void gemm_i8(float* y, const float* x, const int8_t* packed, const float* w_scale, const float* bias, int64_t m,
              int64_t n, int64_t k, int gated, int num_threads);
+
+/* gemm_group.c: group-quantized weights (4-bit nibbles or int8) with fp16 scales and mins
+ * per group, fp32 x and y */
+int group_gemm_available(void);
+void gemm_group(float* y, const float* x, const uint8_t* qs, const uint16_t* scales, const uint16_t* mins,
+                const float* bias, int64_t m, int64_t n, int64_t k, int32_t group, int32_t bits,
+                int32_t num_threads);
+void gemm_group_q8(float* y, const float* x, const uint8_t* qs, const uint16_t* scales, const uint16_t* mins,
+                   const float* bias, int64_t m, int64_t n, int64_t k, int32_t group, int32_t bits,
+                   int32_t num_threads);
+/* out [n, k] = the weight, in the model's dtype */
+void dequantize_group(void* out, const uint8_t* qs, const uint16_t* scales, const uint16_t* mins, int64_t n,
+                      int64_t k, int32_t group, int32_t bits, int32_t is_bf16, int32_t num_threads);
+/* y [m, n] = x [m, k] W^T + b in the model's dtype (b too), through gemm_group
+ * (quantized_x 0) or gemm_group_q8 (1); gated: W holds the gate's n rows, then the up
+ * projection's, and y is silu(gate) * up. */
+void group_linear(void* y, const void* x, const GroupWeight* w, const void* bias, int64_t m, int64_t n, int64_t k,
+                  int gated, int is_bf16, int quantized_x, int num_threads);
 
 /* decoder.c */
 void decoder_forward(const DecoderShape* shape, const DecoderLayer* layers, const StepLayout* step, void* residual,

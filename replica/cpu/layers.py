@@ -17,7 +17,7 @@ from torch import nn
 
 from replica.attention.context import get_forward_context
 from replica.cpu import int8, linear_kernels, ops
-from replica.cpu.int8 import Int8Weight
+from replica.cpu.group_quant import GroupQuantWeight
 from replica.cpu.kernel_choice import KernelChooser, LinearChoice, LinearShape
 
 
@@ -27,7 +27,7 @@ class PackedLinear(nn.Module):
 
     def __init__(
         self,
-        weight: torch.Tensor,
+        weight: torch.Tensor | GroupQuantWeight,
         bias: torch.Tensor | None,
         choice: LinearChoice,
         group=None,
@@ -37,7 +37,8 @@ class PackedLinear(nn.Module):
         """group: a tensor-parallel TPGroup whose ranks' outputs are summed (a row-split
         linear, replica/parallel/sharding.py); None for a whole linear. gated: weight and
         bias are the gate's rows, then the up projection's. scale: a pre-quantized
-        checkpoint's per-row scales, which int8 kernels quantize with."""
+        checkpoint's per-row scales, which int8 kernels quantize with. A GroupQuantWeight
+        weight (a file's integers, replica/gguf_blocks.py) runs on the group kernels."""
         super().__init__()
         self.group, self.gated, self.choice = group, gated, choice
         self.in_features, self.out_features = weight.shape[1], weight.shape[0] // (2 if gated else 1)
@@ -50,22 +51,36 @@ class PackedLinear(nn.Module):
 
     @staticmethod
     def choose(
-        chooser: KernelChooser, weight: torch.Tensor, gated: bool, max_rows: int | None = None
+        chooser: KernelChooser,
+        weight: torch.Tensor | GroupQuantWeight,
+        gated: bool,
+        dtype: torch.dtype,
+        max_rows: int | None = None,
     ) -> LinearChoice:
-        shape = LinearShape(weight.shape[0], weight.shape[1], weight.dtype, gated, chooser.quantization)
+        """dtype: the activations'."""
+        if isinstance(weight, GroupQuantWeight):
+            shape = LinearShape(*weight.shape, dtype, gated, weight.format)
+        else:
+            shape = LinearShape(weight.shape[0], weight.shape[1], dtype, gated, chooser.quantization)
         return chooser.linear(shape, max_rows)
 
     @classmethod
     def of(cls, linear: nn.Linear, chooser: KernelChooser, max_rows: int | None = None) -> "PackedLinear":
-        choice = cls.choose(chooser, linear.weight, False, max_rows)
+        """linear.group_weight, where the loader gave it one, is the weight it packs."""
+        weight = getattr(linear, "group_weight", linear.weight)
+        choice = cls.choose(chooser, weight, False, linear.weight.dtype, max_rows)
         scale = getattr(linear, "weight_scale", None)
-        return cls(linear.weight, linear.bias, choice, getattr(linear, "group", None), scale=scale)
+        return cls(weight, linear.bias, choice, getattr(linear, "group", None), scale=scale)
 
     @classmethod
     def concat(cls, linears: list[nn.Linear], chooser: KernelChooser, gated: bool = False) -> "PackedLinear":
-        """One GEMM for several projections of the same input (outputs side by side)."""
-        weight = torch.cat([m.weight for m in linears])
-        choice = cls.choose(chooser, weight, gated)
+        """One GEMM for several projections of the same input (outputs side by side): of
+        their group weights where every one has one, else of their float weights."""
+        if all(hasattr(m, "group_weight") for m in linears):
+            weight = GroupQuantWeight.concat([m.group_weight for m in linears])
+        else:
+            weight = torch.cat([m.weight for m in linears])
+        choice = cls.choose(chooser, weight, gated, linears[0].weight.dtype)
         scale = None  # a checkpoint's scales, where it quantized some of them; the others' own
         if any(hasattr(m, "weight_scale") for m in linears):
             scale = torch.cat(
@@ -85,14 +100,17 @@ class PackedLinear(nn.Module):
     def gated(cls, gate: nn.Linear, up: nn.Linear, chooser: KernelChooser) -> "PackedLinear":
         return cls.concat([gate, up], chooser, gated=True)
 
-    def layout(self, kernel: str) -> tuple[torch.Tensor | Int8Weight, torch.Tensor | None] | None:
+    def layout(self, kernel: str) -> tuple[linear_kernels.Weight, torch.Tensor | None] | None:
         """(weight, bias) as `kernel` reads them, or None where it never runs here."""
         return self.layouts.get(kernel)
 
     def weight_bytes(self) -> int:
-        """What the layouts of its weight hold in memory (biases aside)."""
-        return sum(w.nbytes() if isinstance(w, Int8Weight) else w.numel() * w.element_size()
-                   for w, _ in self.layouts.values())  # fmt: skip
+        """What the layouts of its weight hold in memory (biases aside; a layout that
+        several kernels read counts once)."""
+        weights = {id(w): w for w, _ in self.layouts.values()}.values()
+        return sum(
+            w.numel() * w.element_size() if isinstance(w, torch.Tensor) else w.nbytes() for w in weights
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
@@ -101,6 +119,21 @@ class PackedLinear(nn.Module):
         y = linear_kernels.run(kernel, flat, weight, bias, self.out_features, self.gated)
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.group is None else self.group.all_reduce(y)
+
+
+class GroupQuantEmbedding(nn.Module):
+    """Token embeddings in a file's group-quantized blocks (a GGUF's token_embd, which a
+    tied lm_head's PackedLinear multiplies too, the same tensors): a lookup dequantizes
+    its rows into the model's dtype."""
+
+    def __init__(self, weight: GroupQuantWeight, dtype: torch.dtype):
+        super().__init__()
+        self.weight_blocks, self.dtype = weight, dtype
+        self.num_embeddings, self.embedding_dim = weight.shape
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = self.weight_blocks.dequantize(self.dtype, input_ids.reshape(-1))
+        return rows.view(*input_ids.shape, self.embedding_dim)
 
 
 class RMSNorm(nn.Module):

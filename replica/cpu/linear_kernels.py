@@ -3,21 +3,47 @@ reads: gemm.c's own kernels (bf16 on AVX512-BF16 CPUs, fp32 on AVX2 CPUs; both a
 gated MLP projection's silu(gate) * up in their epilogue), oneDNN with the weight
 reordered once into its blocked layout (what inductor's weight freezing does; AMX or
 AVX512 underneath), and plain F.linear. With quantization="int8", also the two int8
-kernels of int8.py, which quantize the weight as they lay it out.
+kernels of int8.py, which quantize the weight as they lay it out; with a file's
+group-quantized weights (quantization="gguf"), the kernels of group_quant.py, which read
+its integers.
 Which one runs at which row count is measured on the machine (kernel_choice.py)."""
 
 import torch
 from torch.nn import functional as F
 
-from replica.cpu import int8, ops
+from replica.cpu import group_quant, int8, ops
+from replica.cpu.group_quant import GroupQuantWeight, TorchInt4Weight
 
 GEMM_C, ONEDNN, TORCH = "gemm.c", "onednn", "torch"
 INT8_GEMM_C, INT8_TORCH = "int8 gemm.c", "int8 torch"
+# gemm_group.c's exact kernel, its int8-activation one, torch's int4 kernel, and the weight
+# dequantized at each call for F.linear.
+GROUP_GEMM_C, GROUP_Q8_GEMM_C, GROUP_TORCH, GROUP_DEQUANT = (
+    "group gemm.c",
+    "group q8 gemm.c",
+    "group torch",
+    "group dequant",
+)
 LINEAR_KERNELS = (GEMM_C, ONEDNN, TORCH)
 INT8_KERNELS = (INT8_GEMM_C, INT8_TORCH)
+GROUP_KERNELS = (GROUP_GEMM_C, GROUP_Q8_GEMM_C, GROUP_TORCH, GROUP_DEQUANT)
+Weight = torch.Tensor | int8.Int8Weight | GroupQuantWeight | TorchInt4Weight
 
 
-def can_run(kernel: str, dtype: torch.dtype, in_features: int) -> bool:
+def can_run(
+    kernel: str, dtype: torch.dtype, in_features: int, quantization: str | None = None, out_features: int = 0
+) -> bool:
+    """quantization: a group-quantized weight's format (group_quant.py), for the group
+    kernels, with its out_features."""
+    if kernel in (GROUP_GEMM_C, GROUP_Q8_GEMM_C):
+        # The int8-activation kernel rounds x to 8 bits a 32-block, which a bf16 model's
+        # activations already are to 8 significant bits; an fp32 model gets the exact one.
+        exact = kernel == GROUP_GEMM_C or dtype == torch.bfloat16
+        return exact and in_features % 32 == 0 and group_quant.group_gemm_available()
+    if kernel == GROUP_TORCH:
+        return quantization is not None and group_quant.torch_int4_runs(quantization, out_features)
+    if kernel == GROUP_DEQUANT:
+        return group_quant.group_gemm_available()
     if kernel == INT8_GEMM_C:
         return dtype == torch.float32 and int8.i8_gemm_available()
     if kernel == INT8_TORCH:
@@ -36,16 +62,21 @@ def can_run(kernel: str, dtype: torch.dtype, in_features: int) -> bool:
 
 def pack(
     kernel: str,
-    weight: torch.Tensor,
+    weight: torch.Tensor | GroupQuantWeight,
     bias: torch.Tensor | None,
     gated: bool,
     scale: torch.Tensor | None = None,
-) -> tuple[torch.Tensor | int8.Int8Weight, torch.Tensor | None]:
+) -> tuple[Weight, torch.Tensor | None]:
     """(weight, bias) laid out for `kernel`. gated: the rows are the gate's, then the up
     projection's. scale: per-row scales an int8 kernel quantizes with (a pre-quantized
-    checkpoint's; None: its own)."""
-    weight = weight.detach()
+    checkpoint's; None: its own). A group kernel takes a GroupQuantWeight, which its own
+    kernels read as it is (the same object: one copy in memory)."""
     bias = None if bias is None else bias.detach().contiguous()
+    if kernel == GROUP_TORCH:
+        return group_quant.pack_for_torch_int4(weight), bias
+    if kernel in GROUP_KERNELS:
+        return weight, bias
+    weight = weight.detach()
     if kernel == INT8_GEMM_C:
         if gated and bias is not None:
             bias = ops.interleave_gate_up(*bias.chunk(2), 8)
@@ -68,15 +99,21 @@ def pack(
 def run(
     kernel: str,
     x: torch.Tensor,
-    weight: torch.Tensor | int8.Int8Weight,
+    weight: Weight,
     bias: torch.Tensor | None,
     out_features: int,
     gated: bool,
 ) -> torch.Tensor:
     """x [rows, in] -> [rows, out_features]; for a gated weight, silu(gate) * up."""
-    if kernel == INT8_GEMM_C:
+    if kernel in (GROUP_GEMM_C, GROUP_Q8_GEMM_C):
+        y = group_quant.gemm_group(x, weight, bias, quantized_x=kernel == GROUP_Q8_GEMM_C)
+    elif kernel == GROUP_TORCH:
+        y = group_quant.mm_torch_int4(x, weight, bias)
+    elif kernel == GROUP_DEQUANT:
+        y = group_quant.mm_dequantized(x, weight, bias)
+    elif kernel == INT8_GEMM_C:
         return int8.gemm_i8(x, weight, bias, out_features, gated)
-    if kernel == INT8_TORCH:
+    elif kernel == INT8_TORCH:
         y = int8.mm_torch(x, weight, bias)
     elif kernel == GEMM_C and x.dtype == torch.float32:
         return ops.gemm_f32(x, weight, bias, out_features, gated)

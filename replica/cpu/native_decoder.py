@@ -3,11 +3,12 @@ once, and the KV cache's (with its format and fp8 scales) once per cache, in abi
 mirrors of decoder.c's structs.
 
 It runs where every linear has a layout for one of the kernels decoder.c calls (gemm.c's:
-bf16 on AVX512-BF16 CPUs, fp32 on AVX2 ones; or gemm_int8.c's, for an fp32 model with
-int8 weights) and the layers have no parts it lacks (tensor-parallel reductions, Qwen3's
-q/k norms), and only in steps whose every linear chose that kernel at the step's row
-count and whose attention the C kernel does entirely (not fresh prefills that SDPA
-attends where it measured faster). Anywhere else FusedDecoder's Python loop runs the
+bf16 on AVX512-BF16 CPUs, fp32 on AVX2 ones; gemm_int8.c's, for an fp32 model with
+int8 weights; or one of gemm_group.c's, for a GGUF's group-quantized weights) and the
+layers have no parts it lacks (tensor-parallel reductions, Qwen3's q/k norms), and only
+in steps whose every linear chose that kernel at the step's row count and whose
+attention the C kernel does entirely (not fresh prefills that SDPA attends where it
+measured faster). Anywhere else FusedDecoder's Python loop runs the
 kernels chosen for the step."""
 
 import ctypes
@@ -16,10 +17,14 @@ import torch
 
 from replica.attention.context import get_forward_context
 from replica.cpu import ops
-from replica.cpu.abi import DecoderLayer, DecoderShape
+from replica.cpu.abi import DecoderLayer, DecoderShape, GroupWeight
 from replica.cpu.build import load_library
+from replica.cpu.group_quant import GroupQuantWeight
 from replica.cpu.int8 import Int8Weight
-from replica.cpu.linear_kernels import GEMM_C, INT8_GEMM_C
+from replica.cpu.linear_kernels import GEMM_C, GROUP_GEMM_C, GROUP_Q8_GEMM_C, INT8_GEMM_C
+
+# decoder.c's is_group for each group kernel
+GROUP_KINDS = {GROUP_GEMM_C: 1, GROUP_Q8_GEMM_C: 2}
 
 
 class NativeDecoder:
@@ -39,6 +44,7 @@ class NativeDecoder:
             intermediate=mlp.gate_up.out_features,
             is_bf16=int(self.dtype == torch.bfloat16),
             is_int8=int(self.kernel == INT8_GEMM_C),
+            is_group=GROUP_KINDS.get(self.kernel, 0),
             eps=fused.norm.eps,
             scale=attention.scaling,
             final_norm=fused.norm.weight.data_ptr(),
@@ -123,7 +129,7 @@ class NativeDecoder:
             self._layers = (DecoderLayer * len(self._weights))(
                 *(
                     DecoderLayer(
-                        **{name: None if t is None else t.data_ptr() for name, t in weights.items()},
+                        **{name: _pointer(t) for name, t in weights.items()},
                         k_cache=k.data_ptr(),
                         v_cache=v.data_ptr(),
                         k_scale=scale.k,
@@ -143,11 +149,17 @@ def _linears(fused) -> list:
 
 
 def _kernel(fused) -> str | None:
-    """The kernel decoder.c runs the linears with: gemm_int8.c's where every linear has
-    int8 weights (an fp32 model), else gemm.c's where every linear has its layout."""
+    """The kernel decoder.c runs the linears with: one of gemm_group.c's where every linear
+    has group-quantized weights, gemm_int8.c's where every linear has int8 weights (an
+    fp32 model), else gemm.c's where every linear has its layout."""
     linears = _linears(fused)
     fp32 = fused.norm.weight.dtype == torch.float32
-    for kernel in (INT8_GEMM_C, GEMM_C) if fp32 else (GEMM_C,):
+    candidates = (
+        (GROUP_Q8_GEMM_C, GROUP_GEMM_C, INT8_GEMM_C, GEMM_C)
+        if fp32
+        else (GROUP_Q8_GEMM_C, GROUP_GEMM_C, GEMM_C)
+    )
+    for kernel in candidates:
         if all(m.layout(kernel) is not None for m in linears):
             return kernel
     return None
@@ -155,6 +167,16 @@ def _kernel(fused) -> str | None:
 
 def _packed(name: str, linear, kernel: str) -> dict:
     weight, bias = linear.layout(kernel)
+    if isinstance(weight, GroupQuantWeight):
+        return {name: weight.qs, f"{name}_bias": bias, f"{name}_group": weight}
     if isinstance(weight, Int8Weight):
         return {name: weight.weight, f"{name}_bias": bias, f"{name}_scale": weight.scale}
     return {name: weight, f"{name}_bias": bias}
+
+
+def _pointer(value):
+    """A DecoderLayer field's value: a tensor's address, or a GroupWeight of a group weight's."""
+    if isinstance(value, GroupQuantWeight):
+        mins = None if value.mins is None else value.mins.data_ptr()
+        return GroupWeight(value.qs.data_ptr(), value.scales.data_ptr(), mins, value.group, value.bits)
+    return None if value is None else value.data_ptr()

@@ -1,0 +1,592 @@
+/* GEMM over group-quantized weights (GGUF's blocks, GPTQ and AWQ, repacked once at load by
+ * replica/cpu/group_quant.py): y = x W^T (+ b), x and y fp32, where each output row j of W
+ * holds k small integers q in groups of `group`, and w[j, i] = scale[j, g] * q[j, i] +
+ * min[j, g] for the group g of i (min 0 where `mins` is NULL). Scales and mins are fp16.
+ *
+ * Why: a decode step reads every weight once, and at a few rows it waits on memory. Four
+ * bits a weight (plus a scale and a min per 32) is a third of bf16's bytes. The weights
+ * stay in their integers: per group the kernel sums q * x in fp32 (the integers convert
+ * exactly), multiplies the sum by the scale, and adds min * (the group's sum of x), so the
+ * result is the dequantized weights' product up to fp32 summation order.
+ *
+ * Layouts (bits): 4: [n][k / 32][16] bytes, each 32-block as GGUF's Q4_0 and Q4_1 hold it:
+ * byte i has q[i] in its low nibble and q[i + 16] in its high one (group a multiple of 32).
+ * 8: [n][k] int8 (group a multiple of 8).
+ *
+ * Columns go to threads in panels of Q_PANEL, taken dynamically, so that a thread that
+ * loses its core for a while does not hold the others at the end; rows go in tiles of
+ * Q_TILE_ROWS, whose weights are unpacked once per tile. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include "kvserve_abi.h"
+#include "scalar.h"
+
+#define Q_PANEL 16
+#define Q_TILE_ROWS 4
+/* How far ahead of its reads a thread prefetches the weights: one column's blocks are too
+ * few for the hardware prefetcher to keep enough cache lines in flight on its own. */
+#define Q_PREFETCH_BYTES 4096
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+
+int group_gemm_available(void) { return 1; }
+
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* Calls tile(y, <x args>, qs, scales, mins, bias, r0, rows, j, n, k, group, bits) with
+ * rows and bits as constants, so that each combination compiles to its own loop with the
+ * row accumulators in registers. */
+#define DISPATCH(tile, ...)                                                                        \
+    do {                                                                                           \
+        if (bits == 4) {                                                                           \
+            switch (rows) {                                                                        \
+                case 1: tile(y, __VA_ARGS__, qs, scales, mins, bias, r0, 1, j, n, k, group, 4); break; \
+                case 2: tile(y, __VA_ARGS__, qs, scales, mins, bias, r0, 2, j, n, k, group, 4); break; \
+                case 3: tile(y, __VA_ARGS__, qs, scales, mins, bias, r0, 3, j, n, k, group, 4); break; \
+                default: tile(y, __VA_ARGS__, qs, scales, mins, bias, r0, 4, j, n, k, group, 4); break; \
+            }                                                                                      \
+        } else {                                                                                   \
+            switch (rows) {                                                                        \
+                case 1: tile(y, __VA_ARGS__, qs, scales, mins, bias, r0, 1, j, n, k, group, 8); break; \
+                case 2: tile(y, __VA_ARGS__, qs, scales, mins, bias, r0, 2, j, n, k, group, 8); break; \
+                case 3: tile(y, __VA_ARGS__, qs, scales, mins, bias, r0, 3, j, n, k, group, 8); break; \
+                default: tile(y, __VA_ARGS__, qs, scales, mins, bias, r0, 4, j, n, k, group, 8); break; \
+            }                                                                                      \
+        }                                                                                          \
+    } while (0)
+
+static inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+
+/* The 32 weights of a 4-bit block as 4 vectors of 8 floats, in order. */
+static inline void unpack4(const uint8_t* block, __m256 q[4]) {
+    const __m128i bytes = _mm_loadu_si128((const __m128i*)block);
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(bytes, mask);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+}
+
+static inline __m256 unpack8(const int8_t* q) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)q)));
+}
+
+/* Output column j for rows [r0, r0 + rows) (rows <= Q_TILE_ROWS). xsum: [m][k / group]. */
+static inline __attribute__((always_inline)) void column_tile(
+    float* y, const float* x, const float* xsum, const uint8_t* qs, const uint16_t* scales, const uint16_t* mins,
+    const float* bias, int64_t r0, int rows, int64_t j, int64_t n, int64_t k, int group, int bits) {
+    const int64_t groups = k / group;
+    const uint16_t* js = scales + j * groups;
+    const uint16_t* jm = mins ? mins + j * groups : NULL;
+    __m256 acc[Q_TILE_ROWS];
+    float offset[Q_TILE_ROWS];
+    for (int r = 0; r < Q_TILE_ROWS; r++) {
+        acc[r] = _mm256_setzero_ps();
+        offset[r] = 0.0f;
+    }
+    const float* xr[Q_TILE_ROWS];
+    for (int r = 0; r < rows; r++) xr[r] = x + (r0 + r) * k;
+    for (int64_t g = 0; g < groups; g++) {
+        __m256 part[Q_TILE_ROWS];
+        for (int r = 0; r < Q_TILE_ROWS; r++) part[r] = _mm256_setzero_ps();
+        const int64_t start = g * group;
+        if (bits == 4) {
+            const uint8_t* blocks = qs + (j * k + start) / 2;
+            for (int b = 0; b < group / 32; b++) {
+                __m256 q[4];
+                _mm_prefetch((const char*)blocks + 16 * b + Q_PREFETCH_BYTES, _MM_HINT_T0);
+                unpack4(blocks + 16 * b, q);
+                for (int r = 0; r < rows; r++) {
+                    const float* xv = xr[r] + start + 32 * b;
+                    part[r] = _mm256_fmadd_ps(q[0], _mm256_loadu_ps(xv), part[r]);
+                    part[r] = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xv + 8), part[r]);
+                    part[r] = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xv + 16), part[r]);
+                    part[r] = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xv + 24), part[r]);
+                }
+            }
+        } else {
+            const int8_t* w = (const int8_t*)qs + j * k + start;
+            for (int c = 0; c < group; c += 8) {
+                if (c % 32 == 0) _mm_prefetch((const char*)w + c + Q_PREFETCH_BYTES, _MM_HINT_T0);
+                const __m256 q = unpack8(w + c);
+                for (int r = 0; r < rows; r++)
+                    part[r] = _mm256_fmadd_ps(q, _mm256_loadu_ps(xr[r] + start + c), part[r]);
+            }
+        }
+        const __m256 s = _mm256_set1_ps(half_to_float(js[g]));
+        for (int r = 0; r < rows; r++) acc[r] = _mm256_fmadd_ps(part[r], s, acc[r]);
+        if (jm) {
+            const float m = half_to_float(jm[g]);
+            for (int r = 0; r < rows; r++) offset[r] += m * xsum[(r0 + r) * groups + g];
+        }
+    }
+    const float b = bias ? bias[j] : 0.0f;
+    for (int r = 0; r < rows; r++) y[(r0 + r) * n + j] = hsum256(acc[r]) + offset[r] + b;
+}
+
+/* xsum [m, k / group]: each group's sum of x, which the mins multiply. */
+static void group_sums(float* xsum, const float* x, int64_t m, int64_t k, int group) {
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t g = 0; g < k / group; g++) {
+            float s = 0.0f;
+            for (int i = 0; i < group; i++) s += x[r * k + g * group + i];
+            xsum[r * (k / group) + g] = s;
+        }
+}
+
+void gemm_group(float* y, const float* x, const uint8_t* qs, const uint16_t* scales, const uint16_t* mins,
+                const float* bias, int64_t m, int64_t n, int64_t k, int32_t group, int32_t bits,
+                int32_t num_threads) {
+    float* xsum = mins ? (float*)malloc(sizeof(float) * (size_t)(m * (k / group))) : NULL;
+    if (mins) group_sums(xsum, x, m, k, group);
+    const int64_t panels = (n + Q_PANEL - 1) / Q_PANEL;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t p = 0; p < panels; p++) {
+        const int64_t end = (p + 1) * Q_PANEL < n ? (p + 1) * Q_PANEL : n;
+        for (int64_t r0 = 0; r0 < m; r0 += Q_TILE_ROWS) {
+            const int rows = m - r0 < Q_TILE_ROWS ? (int)(m - r0) : Q_TILE_ROWS;
+            for (int64_t j = p * Q_PANEL; j < end; j++) DISPATCH(column_tile, x, xsum);
+        }
+    }
+    free(xsum);
+}
+
+/* The int8-activation kernel (gemm_group_q8): x quantized per 32-block of each row
+ * (symmetric, the block's largest |x| at 127, as GGUF's Q8_0), so that a block's 32
+ * products are one integer dot product: vpdpbusd where the CPU has AVX512-VNNI, else
+ * vpmaddubsw and vpmaddwd (AVX2), as llama.cpp computes its quantized dot products. The
+ * sum converts to fp32 once per block and takes the weight's scale times x's; the min
+ * term uses x's exact fp32 sums. 8-bit weights are signed, and these instructions take
+ * one unsigned operand: |w| times x with w's sign. */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+static inline __m256i dot_u8s8(__m256i u, __m256i s) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s); }
+#else
+static inline __m256i dot_u8s8(__m256i u, __m256i s) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+#endif
+
+static inline __m256i nibbles32(const uint8_t* block) {
+    const __m128i bytes = _mm_loadu_si128((const __m128i*)block);
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask), _mm_and_si128(bytes, mask));
+}
+
+/* x [m, k] -> xq [m, k] int8 and xd [m, k / 32] with x ~ xd * xq per block. */
+static void quantize_blocks(int8_t* xq, float* xd, const float* x, int64_t m, int64_t k) {
+    for (int64_t b = 0; b < m * (k / 32); b++) {
+        const float* v = x + b * 32;
+        float peak = 0.0f;
+        for (int i = 0; i < 32; i++) peak = fmaxf(peak, fabsf(v[i]));
+        xd[b] = peak / 127.0f;
+        const float inv = peak > 0.0f ? 127.0f / peak : 0.0f;
+        for (int i = 0; i < 32; i++) xq[b * 32 + i] = (int8_t)lrintf(v[i] * inv);
+    }
+}
+
+static inline __attribute__((always_inline)) void column_tile_q8(
+    float* y, const int8_t* xq, const float* xd, const float* xsum, const uint8_t* qs, const uint16_t* scales,
+    const uint16_t* mins, const float* bias, int64_t r0, int rows, int64_t j, int64_t n, int64_t k, int group,
+    int bits) {
+    const int64_t groups = k / group, blocks = k / 32;
+    const uint16_t* js = scales + j * groups;
+    __m256 acc[Q_TILE_ROWS];
+    float offset[Q_TILE_ROWS] = {0.0f};
+    for (int r = 0; r < Q_TILE_ROWS; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        /* A group of 16 (8-bit weights only) gives each half of the block its scale: the
+         * dot product's lanes 0-3 sum its first 16 weights. */
+        const __m256 ws = group == 16 ? _mm256_set_m128(_mm_set1_ps(_cvtsh_ss(js[2 * b + 1])), _mm_set1_ps(_cvtsh_ss(js[2 * b])))
+                                      : _mm256_set1_ps(_cvtsh_ss(js[(b * 32) / group]));
+        __m256i w, wsign = _mm256_setzero_si256();
+        if (bits == 4) {
+            const uint8_t* block = qs + (j * k) / 2 + 16 * b;
+            _mm_prefetch((const char*)block + Q_PREFETCH_BYTES, _MM_HINT_T0);
+            w = nibbles32(block);
+        } else {
+            _mm_prefetch((const char*)qs + j * k + 32 * b + Q_PREFETCH_BYTES, _MM_HINT_T0);
+            wsign = _mm256_loadu_si256((const __m256i*)((const int8_t*)qs + j * k + 32 * b));
+            w = _mm256_abs_epi8(wsign);
+        }
+        for (int r = 0; r < rows; r++) {
+            __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + (r0 + r) * k + 32 * b));
+            if (bits != 4) xv = _mm256_sign_epi8(xv, wsign);
+            const __m256 sum = _mm256_cvtepi32_ps(dot_u8s8(w, xv));
+            const __m256 scale = _mm256_mul_ps(ws, _mm256_broadcast_ss(xd + (r0 + r) * blocks + b));
+            acc[r] = _mm256_fmadd_ps(sum, scale, acc[r]);
+        }
+    }
+    if (mins) {
+        const uint16_t* jm = mins + j * groups;
+        for (int64_t g = 0; g < groups; g++) {
+            const float m = _cvtsh_ss(jm[g]);
+            for (int r = 0; r < rows; r++) offset[r] += m * xsum[(r0 + r) * groups + g];
+        }
+    }
+    const float b = bias ? bias[j] : 0.0f;
+    for (int r = 0; r < rows; r++) y[(r0 + r) * n + j] = hsum256(acc[r]) + offset[r] + b;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define Q8_WIDE 1
+/* With AVX-512, two blocks go in one 64-byte vector, which halves the instructions per
+ * weight. A 4-bit pair's nibbles unpack as [block 0 low, block 1 low, block 0 high, block 1
+ * high] halves, so x's pair is laid out in that order when it is quantized (wide_order);
+ * each 32-bit lane of the dot product then sums 4 weights of one block, and the lanes take
+ * their block's scales from a 16-float pattern. */
+static inline int wide_order(int bits, int i) {
+    /* where x's element i of a block pair goes */
+    if (bits != 4) return i;
+    const int block = i / 32, half = (i % 32) / 16;
+    return half * 32 + block * 16 + i % 16;
+}
+
+/* The weight scales of pair p of column js's blocks, spread over the lanes. */
+static inline __m512 wide_scales(const uint16_t* js, int64_t p, int bits, int group) {
+    if (group >= 64) return _mm512_set1_ps(_cvtsh_ss(js[(2 * p * 32) / group]));
+    if (group == 32) {
+        const __m512 two = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(*(const int32_t*)(js + 2 * p))));
+        const __m512i idx = bits == 4 ? _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0)
+                                      : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+        return _mm512_permutexvar_ps(idx, two);
+    }
+    /* group 16 (8-bit weights only): four scales, one per 16 weights = 4 lanes */
+    const __m512 four = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)(js + 4 * p))));
+    return _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0), four);
+}
+
+/* xq: [m][k] in wide_order; xd16: [m][k / 64][16] x's block scales spread as the lanes
+ * take them; xsum: [m][groups rounded up to 16], zero-padded. */
+static inline __attribute__((always_inline)) void column_tile_wide(
+    float* y, const int8_t* xq, const float* xd16, const float* xsum, const uint8_t* qs, const uint16_t* scales,
+    const uint16_t* mins, const float* bias, int64_t r0, int rows, int64_t j, int64_t n, int64_t k, int group,
+    int bits) {
+    const int64_t groups = k / group, pairs = k / 64, padded = (groups + 15) / 16 * 16;
+    const uint16_t* js = scales + j * groups;
+    __m512 acc[Q_TILE_ROWS];
+    for (int r = 0; r < Q_TILE_ROWS; r++) acc[r] = _mm512_setzero_ps();
+    const __m256i mask4 = _mm256_set1_epi8(0x0F);
+    for (int64_t p = 0; p < pairs; p++) {
+        __m512i w;
+        __mmask64 negative = 0;
+        if (bits == 4) {
+            const uint8_t* at = qs + (j * k) / 2 + 32 * p;
+            _mm_prefetch((const char*)at + Q_PREFETCH_BYTES, _MM_HINT_T0);
+            const __m256i bytes = _mm256_loadu_si256((const __m256i*)at);
+            const __m256i lo = _mm256_and_si256(bytes, mask4);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask4);
+            w = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+        } else {
+            const int8_t* at = (const int8_t*)qs + j * k + 64 * p;
+            _mm_prefetch((const char*)at + Q_PREFETCH_BYTES, _MM_HINT_T0);
+            const __m512i signed_w = _mm512_loadu_si512(at);
+            negative = _mm512_movepi8_mask(signed_w);
+            w = _mm512_abs_epi8(signed_w);
+        }
+        const __m512 ws = wide_scales(js, p, bits, group);
+        for (int r = 0; r < rows; r++) {
+            __m512i xv = _mm512_loadu_si512(xq + (r0 + r) * k + 64 * p);
+            if (bits != 4) xv = _mm512_mask_sub_epi8(xv, negative, _mm512_setzero_si512(), xv);
+            const __m512 sum = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv));
+            const __m512 scale = _mm512_mul_ps(ws, _mm512_loadu_ps(xd16 + ((r0 + r) * pairs + p) * 16));
+            acc[r] = _mm512_fmadd_ps(sum, scale, acc[r]);
+        }
+    }
+    if (mins) {
+        const uint16_t* jm = mins + j * groups;
+        for (int64_t g = 0; g < groups; g += 16) {
+            const __mmask16 valid = groups - g >= 16 ? 0xFFFF : (__mmask16)((1u << (groups - g)) - 1);
+            const __m512 m16 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, jm + g));
+            for (int r = 0; r < rows; r++)
+                acc[r] = _mm512_fmadd_ps(m16, _mm512_loadu_ps(xsum + (r0 + r) * padded + g), acc[r]);
+        }
+    }
+    const float b = bias ? bias[j] : 0.0f;
+    for (int r = 0; r < rows; r++) y[(r0 + r) * n + j] = _mm512_reduce_add_ps(acc[r]) + b;
+}
+
+static void gemm_group_wide(float* y, const float* x, const uint8_t* qs, const uint16_t* scales,
+                            const uint16_t* mins, const float* bias, int64_t m, int64_t n, int64_t k, int32_t group,
+                            int32_t bits, int32_t num_threads) {
+    const int64_t groups = k / group, pairs = k / 64, padded = (groups + 15) / 16 * 16;
+    int8_t* xq = (int8_t*)malloc((size_t)(m * k));
+    float* xd16 = (float*)malloc(sizeof(float) * (size_t)(m * pairs * 16));
+    float* xsum = (float*)calloc((size_t)(m * padded), sizeof(float));
+    for (int64_t r = 0; r < m; r++) {
+        for (int64_t p = 0; p < pairs; p++) {
+            float d[2];
+            for (int h = 0; h < 2; h++) {
+                const float* v = x + r * k + (2 * p + h) * 32;
+                float peak = 0.0f;
+                for (int i = 0; i < 32; i++) peak = fmaxf(peak, fabsf(v[i]));
+                d[h] = peak / 127.0f;
+                const float inv = peak > 0.0f ? 127.0f / peak : 0.0f;
+                for (int i = 0; i < 32; i++)
+                    xq[r * k + 64 * p + wide_order(bits, 32 * h + i)] = (int8_t)lrintf(v[i] * inv);
+            }
+            for (int lane = 0; lane < 16; lane++) /* the lane's 4 elements, in wide_order */
+                xd16[(r * pairs + p) * 16 + lane] = d[bits == 4 ? (lane / 4) % 2 : lane / 8];
+        }
+        if (mins) group_sums(xsum + r * padded, x + r * k, 1, k, group);
+    }
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t p = 0; p < (n + Q_PANEL - 1) / Q_PANEL; p++) {
+        const int64_t end = (p + 1) * Q_PANEL < n ? (p + 1) * Q_PANEL : n;
+        for (int64_t r0 = 0; r0 < m; r0 += Q_TILE_ROWS) {
+            const int rows = m - r0 < Q_TILE_ROWS ? (int)(m - r0) : Q_TILE_ROWS;
+            for (int64_t j = p * Q_PANEL; j < end; j++) DISPATCH(column_tile_wide, xq, xd16, xsum);
+        }
+    }
+    free(xq);
+    free(xd16);
+    free(xsum);
+}
+#endif
+
+void gemm_group_q8(float* y, const float* x, const uint8_t* qs, const uint16_t* scales, const uint16_t* mins,
+                   const float* bias, int64_t m, int64_t n, int64_t k, int32_t group, int32_t bits,
+                   int32_t num_threads) {
+#ifdef Q8_WIDE
+    if (k % 64 == 0) {
+        gemm_group_wide(y, x, qs, scales, mins, bias, m, n, k, group, bits, num_threads);
+        return;
+    }
+#endif
+    const int64_t groups = k / group;
+    int8_t* xq = (int8_t*)malloc((size_t)(m * k));
+    float* xd = (float*)malloc(sizeof(float) * (size_t)(m * (k / 32)));
+    float* xsum = mins ? (float*)malloc(sizeof(float) * (size_t)(m * groups)) : NULL;
+    quantize_blocks(xq, xd, x, m, k);
+    if (mins) group_sums(xsum, x, m, k, group);
+    const int64_t panels = (n + Q_PANEL - 1) / Q_PANEL;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t p = 0; p < panels; p++) {
+        const int64_t end = (p + 1) * Q_PANEL < n ? (p + 1) * Q_PANEL : n;
+        for (int64_t r0 = 0; r0 < m; r0 += Q_TILE_ROWS) {
+            const int rows = m - r0 < Q_TILE_ROWS ? (int)(m - r0) : Q_TILE_ROWS;
+            for (int64_t j = p * Q_PANEL; j < end; j++) DISPATCH(column_tile_q8, xq, xd, xsum);
+        }
+    }
+    free(xq);
+    free(xd);
+    free(xsum);
+}
+
+/* 8 floats -> 8 bf16, rounded to nearest even as a bf16 tensor op rounds. */
+static inline __m128i bf16x8(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd)), 16);
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+void dequantize_group(void* out, const uint8_t* qs, const uint16_t* scales, const uint16_t* mins, int64_t n,
+                      int64_t k, int32_t group, int32_t bits, int32_t is_bf16, int32_t num_threads) {
+    const int64_t groups = k / group;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t j = 0; j < n; j++) {
+        for (int64_t at = 0; at < k; at += 32) {
+            /* (a 16-group's halves take their own scales) */
+            __m256 q[4], s[4], m[4];
+            if (bits == 4) {
+                unpack4(qs + (j * k + at) / 2, q);
+            } else {
+                for (int c = 0; c < 4; c++) q[c] = unpack8((const int8_t*)qs + j * k + at + 8 * c);
+            }
+            for (int c = 0; c < 4; c++) {
+                const int64_t g = j * groups + (at + 8 * c) / group;
+                s[c] = _mm256_set1_ps(half_to_float(scales[g]));
+                m[c] = _mm256_set1_ps(mins ? half_to_float(mins[g]) : 0.0f);
+                const __m256 w = _mm256_fmadd_ps(q[c], s[c], m[c]); /* q * s is exact: one rounding */
+                if (is_bf16)
+                    _mm_storeu_si128((__m128i*)((bf16*)out + j * k + at + 8 * c), bf16x8(w));
+                else
+                    _mm256_storeu_ps((float*)out + j * k + at + 8 * c, w);
+            }
+        }
+    }
+}
+
+#else
+
+int group_gemm_available(void) { return 0; }
+
+void gemm_group(float* y, const float* x, const uint8_t* qs, const uint16_t* scales, const uint16_t* mins,
+                const float* bias, int64_t m, int64_t n, int64_t k, int32_t group, int32_t bits,
+                int32_t num_threads) {
+    (void)y, (void)x, (void)qs, (void)scales, (void)mins, (void)bias, (void)m, (void)n, (void)k, (void)group,
+        (void)bits, (void)num_threads;
+    abort(); /* group_gemm_available() is 0: Python never calls it */
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define Q8_WIDE 1
+/* With AVX-512, two blocks go in one 64-byte vector, which halves the instructions per
+ * weight. A 4-bit pair's nibbles unpack as [block 0 low, block 1 low, block 0 high, block 1
+ * high] halves, so x's pair is laid out in that order when it is quantized (wide_order);
+ * each 32-bit lane of the dot product then sums 4 weights of one block, and the lanes take
+ * their block's scales from a 16-float pattern. */
+static inline int wide_order(int bits, int i) {
+    /* where x's element i of a block pair goes */
+    if (bits != 4) return i;
+    const int block = i / 32, half = (i % 32) / 16;
+    return half * 32 + block * 16 + i % 16;
+}
+
+/* The weight scales of pair p of column js's blocks, spread over the lanes. */
+static inline __m512 wide_scales(const uint16_t* js, int64_t p, int bits, int group) {
+    if (group >= 64) return _mm512_set1_ps(_cvtsh_ss(js[(2 * p * 32) / group]));
+    if (group == 32) {
+        const __m512 two = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(*(const int32_t*)(js + 2 * p))));
+        const __m512i idx = bits == 4 ? _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0)
+                                      : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+        return _mm512_permutexvar_ps(idx, two);
+    }
+    /* group 16 (8-bit weights only): four scales, one per 16 weights = 4 lanes */
+    const __m512 four = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)(js + 4 * p))));
+    return _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0), four);
+}
+
+/* xq: [m][k] in wide_order; xd16: [m][k / 64][16] x's block scales spread as the lanes
+ * take them; xsum: [m][groups rounded up to 16], zero-padded. */
+static inline __attribute__((always_inline)) void column_tile_wide(
+    float* y, const int8_t* xq, const float* xd16, const float* xsum, const uint8_t* qs, const uint16_t* scales,
+    const uint16_t* mins, const float* bias, int64_t r0, int rows, int64_t j, int64_t n, int64_t k, int group,
+    int bits) {
+    const int64_t groups = k / group, pairs = k / 64, padded = (groups + 15) / 16 * 16;
+    const uint16_t* js = scales + j * groups;
+    __m512 acc[Q_TILE_ROWS];
+    for (int r = 0; r < Q_TILE_ROWS; r++) acc[r] = _mm512_setzero_ps();
+    const __m256i mask4 = _mm256_set1_epi8(0x0F);
+    for (int64_t p = 0; p < pairs; p++) {
+        __m512i w;
+        __mmask64 negative = 0;
+        if (bits == 4) {
+            const uint8_t* at = qs + (j * k) / 2 + 32 * p;
+            _mm_prefetch((const char*)at + Q_PREFETCH_BYTES, _MM_HINT_T0);
+            const __m256i bytes = _mm256_loadu_si256((const __m256i*)at);
+            const __m256i lo = _mm256_and_si256(bytes, mask4);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask4);
+            w = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+        } else {
+            const int8_t* at = (const int8_t*)qs + j * k + 64 * p;
+            _mm_prefetch((const char*)at + Q_PREFETCH_BYTES, _MM_HINT_T0);
+            const __m512i signed_w = _mm512_loadu_si512(at);
+            negative = _mm512_movepi8_mask(signed_w);
+            w = _mm512_abs_epi8(signed_w);
+        }
+        const __m512 ws = wide_scales(js, p, bits, group);
+        for (int r = 0; r < rows; r++) {
+            __m512i xv = _mm512_loadu_si512(xq + (r0 + r) * k + 64 * p);
+            if (bits != 4) xv = _mm512_mask_sub_epi8(xv, negative, _mm512_setzero_si512(), xv);
+            const __m512 sum = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv));
+            const __m512 scale = _mm512_mul_ps(ws, _mm512_loadu_ps(xd16 + ((r0 + r) * pairs + p) * 16));
+            acc[r] = _mm512_fmadd_ps(sum, scale, acc[r]);
+        }
+    }
+    if (mins) {
+        const uint16_t* jm = mins + j * groups;
+        for (int64_t g = 0; g < groups; g += 16) {
+            const __mmask16 valid = groups - g >= 16 ? 0xFFFF : (__mmask16)((1u << (groups - g)) - 1);
+            const __m512 m16 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, jm + g));
+            for (int r = 0; r < rows; r++)
+                acc[r] = _mm512_fmadd_ps(m16, _mm512_loadu_ps(xsum + (r0 + r) * padded + g), acc[r]);
+        }
+    }
+    const float b = bias ? bias[j] : 0.0f;
+    for (int r = 0; r < rows; r++) y[(r0 + r) * n + j] = _mm512_reduce_add_ps(acc[r]) + b;
+}
+
+static void gemm_group_wide(float* y, const float* x, const uint8_t* qs, const uint16_t* scales,
+                            const uint16_t* mins, const float* bias, int64_t m, int64_t n, int64_t k, int32_t group,
+                            int32_t bits, int32_t num_threads) {
+    const int64_t groups = k / group, pairs = k / 64, padded = (groups + 15) / 16 * 16;
+    int8_t* xq = (int8_t*)malloc((size_t)(m * k));
+    float* xd16 = (float*)malloc(sizeof(float) * (size_t)(m * pairs * 16));
+    float* xsum = (float*)calloc((size_t)(m * padded), sizeof(float));
+    for (int64_t r = 0; r < m; r++) {
+        for (int64_t p = 0; p < pairs; p++) {
+            float d[2];
+            for (int h = 0; h < 2; h++) {
+                const float* v = x + r * k + (2 * p + h) * 32;
+                float peak = 0.0f;
+                for (int i = 0; i < 32; i++) peak = fmaxf(peak, fabsf(v[i]));
+                d[h] = peak / 127.0f;
+                const float inv = peak > 0.0f ? 127.0f / peak : 0.0f;
+                for (int i = 0; i < 32; i++)
+                    xq[r * k + 64 * p + wide_order(bits, 32 * h + i)] = (int8_t)lrintf(v[i] * inv);
+            }
+            for (int lane = 0; lane < 16; lane++) /* the lane's 4 elements, in wide_order */
+                xd16[(r * pairs + p) * 16 + lane] = d[bits == 4 ? (lane / 4) % 2 : lane / 8];
+        }
+        if (mins) group_sums(xsum + r * padded, x + r * k, 1, k, group);
+    }
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t p = 0; p < (n + Q_PANEL - 1) / Q_PANEL; p++) {
+        const int64_t end = (p + 1) * Q_PANEL < n ? (p + 1) * Q_PANEL : n;
+        for (int64_t r0 = 0; r0 < m; r0 += Q_TILE_ROWS) {
+            const int rows = m - r0 < Q_TILE_ROWS ? (int)(m - r0) : Q_TILE_ROWS;
+            for (int64_t j = p * Q_PANEL; j < end; j++) DISPATCH(column_tile_wide, xq, xd16, xsum);
+        }
+    }
+    free(xq);
+    free(xd16);
+    free(xsum);
+}
+#endif
+
+void gemm_group_q8(float* y, const float* x, const uint8_t* qs, const uint16_t* scales, const uint16_t* mins,
+                   const float* bias, int64_t m, int64_t n, int64_t k, int32_t group, int32_t bits,
+                   int32_t num_threads) {
+#ifdef Q8_WIDE
+    if (k % 64 == 0) {
+        gemm_group_wide(y, x, qs, scales, mins, bias, m, n, k, group, bits, num_threads);
+        return;
+    }
+#endif
+    gemm_group(y, x, qs, scales, mins, bias, m, n, k, group, bits, num_threads);
+}
+
+void dequantize_group(void* out, const uint8_t* qs, const uint16_t* scales, const uint16_t* mins, int64_t n,
+                      int64_t k, int32_t group, int32_t bits, int32_t is_bf16, int32_t num_threads) {
+    (void)out, (void)qs, (void)scales, (void)mins, (void)n, (void)k, (void)group, (void)bits, (void)is_bf16,
+        (void)num_threads;
+    abort();
+}
+
+#endif
+
+void group_linear(void* y, const void* x, const GroupWeight* w, const void* bias, int64_t m, int64_t n, int64_t k,
+                  int gated, int is_bf16, int quantized_x, int num_threads) {
+    const int64_t width = gated ? 2 * n : n;
+    float* xf = is_bf16 ? (float*)malloc(sizeof(float) * (size_t)(m * k)) : (float*)x;
+    float* yf = is_bf16 || gated ? (float*)malloc(sizeof(float) * (size_t)(m * width)) : (float*)y;
+    float* bf = bias && is_bf16 ? (float*)malloc(sizeof(float) * (size_t)width) : (float*)bias;
+    if (is_bf16) {
+        for (int64_t i = 0; i < m * k; i++) xf[i] = bf16_to_float(((const bf16*)x)[i]);
+        if (bias)
+            for (int64_t i = 0; i < width; i++) bf[i] = bf16_to_float(((const bf16*)bias)[i]);
+    }
+    (quantized_x ? gemm_group_q8 : gemm_group)(yf, xf, w->qs, w->scales, w->mins, bf, m, width, k, w->group, w->bits,
+                                              num_threads);
+    if (gated) {
+        /* As the Python loop: the projections rounded to the model's dtype, then silu * up. */
+        if (is_bf16)
+            for (int64_t i = 0; i < m * width; i++) ((bf16*)yf)[i] = float_to_bf16(yf[i]);
+        silu_mul(y, yf, m, (int)n, is_bf16, num_threads);
+    } else if (is_bf16) {
+        for (int64_t i = 0; i < m * n; i++) ((bf16*)y)[i] = float_to_bf16(yf[i]);
+    }
+    if (is_bf16) free(xf);
+    if (yf != (float*)y) free(yf);
+    if (bf != (const float*)bias) free(bf);
+}
