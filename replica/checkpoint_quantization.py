@@ -14,8 +14,12 @@ copy that transformers loads, beside the checkpoint's scales, which the quantize
 linears get back (`weight_scale` on each linear), so the 8-bit kernels multiply the
 checkpoint's own weights: float32 holds q * scale closely enough that q comes back from
 w / scale. Activations are quantized per token at run time, whatever the checkpoint
-says about them (a static input scale is not used). Any other format (GPTQ, AWQ,
-bitsandbytes, 4-bit or packed compressed-tensors) is refused with an error that names it."""
+says about them (a static input scale is not used).
+
+4-bit GPTQ, AWQ and compressed-tensors W4A16 (pack-quantized) checkpoints run on CPUs in
+4 bits (packed_checkpoints.py): the dense copy gives transformers the model, and each
+linear gets the checkpoint's integers back as `group_weight`. Any other format
+(bitsandbytes, other bit widths, W8A16) is refused with an error that names it."""
 
 import hashlib
 import json
@@ -23,6 +27,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from replica import packed_checkpoints
 from replica.model_loader import ModelNotFoundError, cache_root
 
 SCALES_FILE = "kvserve_weight_scales.safetensors"  # "<linear>.weight_scale" -> fp32 [rows]
@@ -35,18 +40,25 @@ FORMATS = {
 
 
 def checkpoint_quantization(model_dir: Path) -> str | None:
-    """The engine's quantization for the checkpoint in model_dir ("int8" or "fp8"), or
-    None for a float one. Raises ModelNotFoundError for a quantized one kvserve cannot run."""
+    """The engine's quantization for the checkpoint in model_dir ("int8" or "fp8"; "gptq",
+    "awq" or "w4a16" for a 4-bit one, packed_checkpoints.py), or None for a float one.
+    Raises ModelNotFoundError for a quantized one kvserve cannot run."""
     config = _quantization_config(model_dir)
     if config is None:
         return None
     method = config.get("quant_method")
+    try:
+        packed = packed_checkpoints.method_of(config)
+    except ValueError as e:
+        raise ModelNotFoundError(f"{model_dir} is a {method} checkpoint kvserve cannot run: {e}") from None
+    if packed:
+        return packed
     if method != "compressed-tensors":
         detail = f", {config['bits']}-bit" if "bits" in config else ""
         raise ModelNotFoundError(
             f"{model_dir} is quantized with {method!r}{detail}, which kvserve cannot run: it runs "
-            "compressed-tensors int8 and fp8 checkpoints, and quantizes a float checkpoint itself "
-            "with quantization='int8' or 'fp8'"
+            "compressed-tensors int8, fp8 and W4A16 checkpoints and 4-bit GPTQ and AWQ ones, and "
+            "quantizes a float checkpoint itself with quantization='int8' or 'fp8'"
         )
     why = _unsupported(config)
     if why:
@@ -128,6 +140,17 @@ def _write_dense(model_dir: Path, files: list[Path], out: Path) -> None:
         with safe_open(str(f), framework="pt") as reader:
             tensors.update({name: reader.get_tensor(name) for name in reader.keys()})  # noqa: SIM118
     dense, scales = {}, {}
+    method = packed_checkpoints.method_of(
+        json.loads((model_dir / "config.json").read_text())["quantization_config"]
+    )
+    if method:  # 4-bit linears: dequantized here; the engine reads their integers from model_dir
+        config = packed_checkpoints.quantization_config(model_dir)
+        for prefix, parts in packed_checkpoints.linear_tensors(tensors, method).items():
+            dense[f"{prefix}.weight"] = packed_checkpoints.dequantized(
+                *packed_checkpoints.integers_scales_zeros(method, parts, config)
+            )
+            for suffix in parts:
+                tensors.pop(f"{prefix}.{suffix}")
     for name, tensor in tensors.items():
         prefix = name.removesuffix(".weight")
         if name.endswith(".weight") and f"{prefix}.weight_scale" in tensors:
@@ -151,6 +174,25 @@ def _write_dense(model_dir: Path, files: list[Path], out: Path) -> None:
             and not extra.name.endswith((".safetensors", ".index.json"))
         ):
             shutil.copy(extra, out / extra.name)
+
+
+def attach_group_weights(model, model_dir: Path, method: str) -> int:
+    """Gives each linear of `model` that the 4-bit checkpoint in model_dir packs its
+    integers, as `group_weight` (PackedLinear multiplies them). Returns how many."""
+    from safetensors import safe_open
+
+    tensors: dict = {}
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as reader:
+            tensors.update({name: reader.get_tensor(name) for name in reader.keys()})  # noqa: SIM118
+    config = packed_checkpoints.quantization_config(model_dir)
+    linears = packed_checkpoints.linear_tensors(tensors, method)
+    for prefix, parts in linears.items():
+        weight = packed_checkpoints.to_group_weight(
+            *packed_checkpoints.integers_scales_zeros(method, parts, config)
+        )
+        model.get_submodule(prefix).group_weight = weight
+    return len(linears)
 
 
 def attach_weight_scales(model, dense_dir: Path) -> None:

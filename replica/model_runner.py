@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 from transformers.utils import logging as transformers_logging
 
 from kvcache.host_tier import KVCopies
+from replica import packed_checkpoints
 from replica.attention import (
     AttentionMetadata,
     ForwardContext,
@@ -30,7 +31,12 @@ from replica.attention import (
     register_backend,
 )
 from replica.attention.select import CPU_KERNELS, cpu_kernels_built, triton_interpret
-from replica.checkpoint_quantization import attach_weight_scales, checkpoint_quantization, dense_copy
+from replica.checkpoint_quantization import (
+    attach_group_weights,
+    attach_weight_scales,
+    checkpoint_quantization,
+    dense_copy,
+)
 from replica.config import EngineConfig
 from replica.cpu import ops as cpu_ops
 from replica.cpu.affinity import CorePlan
@@ -76,13 +82,17 @@ def _attention_backend_name(
     return name
 
 
+# Quantizations whose linears hold a file's group-quantized integers (the group kernels, CPU only).
+GROUP_QUANTIZATIONS = ("gguf", *packed_checkpoints.METHODS)
+
+
 def check_quantization(
     quantization: str, device: torch.device, dtype: torch.dtype, backend: str, group: TPGroup | None
 ) -> None:
     """Where each quantization runs: int8 on CPUs through kvserve's CPU kernels (float32 or
     bfloat16), int8 and fp8 on GPUs (replica/quantized_linear.py; fp8 on sm_89 and newer),
-    a GGUF file's own blocks on CPUs."""
-    if quantization == "gguf":
+    a GGUF file's own blocks and 4-bit checkpoints' integers on CPUs."""
+    if quantization in GROUP_QUANTIZATIONS:
         if (
             device.type != "cpu"
             or backend != CPU_KERNELS
@@ -90,8 +100,8 @@ def check_quantization(
             or group is not None
         ):
             raise ValueError(
-                "quantization='gguf' runs on CPU with kvserve's CPU kernels in float32 or bfloat16, "
-                f"without tensor parallelism; this engine has the {backend} attention backend on "
+                f"quantization={quantization!r} runs on CPU with kvserve's CPU kernels in float32 or "
+                f"bfloat16, without tensor parallelism; this engine has the {backend} attention backend on "
                 f"{device.type} in {dtype}{' with tensor parallelism' if group is not None else ''}"
             )
         return
@@ -159,13 +169,17 @@ class ModelRunner:
             quantization = checkpoint
         if quantization:
             check_quantization(quantization, self.device, self.dtype, name, group)
+        source = model_path
         if checkpoint:
             model_path = dense_copy(model_path, checkpoint)
         self.backend = load_backend(name)
         # The engine's KV manager must use this, not config.block_size.
         self.block_size = effective_block_size(name, config.block_size)
         self.model = _load_causal_lm(model_path, self.dtype, register_backend(self.backend))
-        if checkpoint:
+        if checkpoint in packed_checkpoints.METHODS:
+            count = attach_group_weights(self.model, source, checkpoint)
+            logger.info("%s checkpoint: %d linears in 4 bits", checkpoint, count)
+        elif checkpoint:
             attach_weight_scales(self.model, model_path)
         if quantization == "gguf":
             source = gguf_source(model_path)

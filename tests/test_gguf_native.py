@@ -77,7 +77,9 @@ def _x_quantized(x: torch.Tensor) -> torch.Tensor:
     """x rounded as gemm_group_q8 rounds it: per 32-block, the largest |x| at 127."""
     blocks = x.view(x.shape[0], -1, 32)
     peak = blocks.abs().amax(dim=2, keepdim=True)
-    inverse = torch.where(peak > 0, 127 / peak, 0.0)
+    # A true division, as the kernel's (127 / tensor is 127 times a reciprocal in torch,
+    # which rounds differently, and a product at .5 then rounds the other way).
+    inverse = torch.where(peak > 0, torch.full_like(peak, 127.0) / peak, 0.0)
     return ((blocks * inverse).round() * (peak / 127)).view_as(x)
 
 

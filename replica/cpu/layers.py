@@ -61,7 +61,9 @@ class PackedLinear(nn.Module):
         if isinstance(weight, GroupQuantWeight):
             shape = LinearShape(*weight.shape, dtype, gated, weight.format)
         else:
-            shape = LinearShape(weight.shape[0], weight.shape[1], dtype, gated, chooser.quantization)
+            # A float linear of a model whose others hold group weights stays a float one.
+            quantization = chooser.quantization if chooser.quantization == "int8" else None
+            shape = LinearShape(weight.shape[0], weight.shape[1], dtype, gated, quantization)
         return chooser.linear(shape, max_rows)
 
     @classmethod
