@@ -1,5 +1,6 @@
 """Servers started as a user starts them, for the benchmarks that load a server from
-outside: `kvserve serve` and `vllm serve` (vLLM's CPU build in its own venv). Each runs in
+outside: `kvserve serve`, `vllm serve` (vLLM's CPU build in its own venv) and llama.cpp's
+`llama-server`. Each runs in
 a session of its own, so that stopping it reaches every process it started (Ray's too),
 and nothing else on the machine."""
 
@@ -34,6 +35,17 @@ def kvserve_command(port: int, dtype: str, grpc_port: int | None = None) -> list
     """`kvserve serve` on the bundled model, HTTP on `port` and gRPC on the next one."""
     command = [str(ROOT / ".venv/bin/kvserve"), "serve", "--dtype", dtype, "--port", str(port)]
     return command + ["--grpc-port", str(grpc_port or port + 1)]
+
+
+def llama_server_command(binary: Path, gguf: Path, port: int, slots: int, context: int) -> list[str]:
+    """llama.cpp's `llama-server` on a GGUF file as it is, under the bundled model's name:
+    `slots` sequences at once sharing `context` tokens, a thread per core. On CPUs with AMX
+    its weight repacking hangs at start-up for quantized files, so it is off there."""
+    command = [str(binary), "-m", str(gguf), "--port", str(port), "--alias", BUNDLED_NAME]
+    command += ["--parallel", str(slots), "--ctx-size", str(context), "--threads", str(os.cpu_count())]
+    if "amx_tile" in Path("/proc/cpuinfo").read_text():
+        command.append("--no-repack")
+    return command
 
 
 def vllm_command(model: Path, port: int, dtype: str) -> list[str]:

@@ -15,6 +15,10 @@ this process on every core, on as many random prompts as the largest run sent, o
 lengths, with the sampling the servers give these requests (the model's generation config).
 Served throughput at the largest concurrency over it says what serving costs.
 
+`--systems kvserve-gguf llama-server`: the bundled GGUF's own Q4_1 blocks in both, kvserve
+with `--quantization gguf` and llama.cpp's `llama-server` (built from source, see
+docs/development.md), compared the same way.
+
     python -m bench.serving_peers          # bench/results/serving_peers_<machine>.{json,png}
     python -m bench.serving_peers --smoke  # concurrency 2, 8 prompts, to the temp dir
 """
@@ -23,6 +27,7 @@ import argparse
 import json
 import platform
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -34,10 +39,10 @@ import torch
 from bench.machine import machine, write_result
 from bench.peers import VLLM_VENV
 from bench.plots import plot_serving_peers
-from bench.servers import VLLM_ENV, Server, kvserve_command, vllm_command
+from bench.servers import VLLM_ENV, Server, kvserve_command, llama_server_command, vllm_command
 from bench.vllm_bench_serve import bench_serve
 from kvserve import LLM, SamplingParams
-from replica.model_loader import BUNDLED_NAME, resolve_model
+from replica.model_loader import BUNDLED_NAME, bundled_gguf_path, resolve_model
 from router.model_files import sampling_defaults
 
 PORT = 18600
@@ -56,6 +61,10 @@ def first_and_tenth(url: str, requests: int = 10) -> dict:
 
 def num_prompts(concurrency: int, args) -> int:
     return args.num_prompts or min(max(16, 4 * concurrency), 128)
+
+
+SYSTEMS = ("kvserve", "vllm", "kvserve-gguf", "llama-server")
+PAIRS = (("kvserve", "vllm"), ("kvserve-gguf", "llama-server"))  # kvserve first, its peer second
 
 
 def offline_engine(model: Path, args, requests: int) -> dict:
@@ -85,11 +94,22 @@ def offline_engine(model: Path, args, requests: int) -> dict:
     }
 
 
-def run_system(system: str, model: Path, args) -> dict:
+def server_command(system: str, model: Path, args) -> tuple[list[str], dict]:
+    """(command, environment) of each system: kvserve on the dequantized model or on the
+    GGUF's own blocks (kvserve-gguf), vLLM, and llama-server on the bundled GGUF itself."""
     if system == "kvserve":
-        command, env = kvserve_command(PORT, args.dtype), {}
-    else:
-        command, env = vllm_command(model, PORT, args.dtype), VLLM_ENV
+        return kvserve_command(PORT, args.dtype), {}
+    if system == "kvserve-gguf":
+        return [*kvserve_command(PORT, args.dtype), "--quantization", "gguf"], {}
+    if system == "llama-server":
+        slots = max(args.concurrency)
+        context = slots * (args.input_len + args.output_len + 16)
+        return llama_server_command(args.llama_server, bundled_gguf_path(), PORT, slots, context), {}
+    return vllm_command(model, PORT, args.dtype), VLLM_ENV
+
+
+def run_system(system: str, model: Path, args) -> dict:
+    command, env = server_command(system, model, args)
     log = Path(tempfile.gettempdir()) / f"serving_peers_{system}.log"
     server = Server(command, PORT, log, env).start()
     out = {"command": " ".join(command), "env": env}
@@ -121,7 +141,10 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=None, help="default: 4 x concurrency, 16 to 128")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--systems", nargs="+", default=["kvserve", "vllm"], choices=["kvserve", "vllm"])
+    parser.add_argument("--systems", nargs="+", default=["kvserve", "vllm"], choices=SYSTEMS)
+    parser.add_argument(
+        "--llama-server", type=Path, default=shutil.which("llama-server"), help="llama.cpp's server binary"
+    )
     parser.add_argument(
         "--dtype",
         default="bfloat16",
@@ -139,7 +162,9 @@ def main() -> None:
     if args.smoke:
         args.concurrency, args.num_prompts, args.output_len = [2], 8, 16
     if not (VLLM_VENV / "bin/vllm").exists():
-        sys.exit("the vLLM peer is missing: run bash bench/setup_vllm.sh first")
+        sys.exit("the vLLM peer (and its load generator) is missing: run bash bench/setup_vllm.sh first")
+    if "llama-server" in args.systems and not (args.llama_server and Path(args.llama_server).exists()):
+        sys.exit("llama-server is missing: build it (docs/development.md) and pass --llama-server")
     model = resolve_model(None)
     host = machine(platform=platform.platform())
     result = {
@@ -148,17 +173,18 @@ def main() -> None:
         "note": "each figure is from a single run; servers and client share the machine",
         "systems": {system: run_system(system, model, args) for system in args.systems},
     }
-    if set(args.systems) == {"kvserve", "vllm"}:
-        kv, vl = (result["systems"][s]["runs"] for s in ("kvserve", "vllm"))
-        result["kvserve_over_vllm"] = [
-            {
-                "concurrency": a["concurrency"],
-                "output_throughput": a["output_throughput"] / b["output_throughput"],
-                "median_tpot": a["median_tpot_ms"] / b["median_tpot_ms"],
-                "p99_ttft": a["p99_ttft_ms"] / b["p99_ttft_ms"],
-            }
-            for a, b in zip(kv, vl, strict=True)
-        ]
+    for ours, peer in PAIRS:
+        if ours in args.systems and peer in args.systems:
+            kv, other = (result["systems"][s]["runs"] for s in (ours, peer))
+            result[f"{ours}_over_{peer}".replace("-", "_")] = [
+                {
+                    "concurrency": a["concurrency"],
+                    "output_throughput": a["output_throughput"] / b["output_throughput"],
+                    "median_tpot": a["median_tpot_ms"] / b["median_tpot_ms"],
+                    "p99_ttft": a["p99_ttft_ms"] / b["p99_ttft_ms"],
+                }
+                for a, b in zip(kv, other, strict=True)
+            ]
     if args.offline:
         largest = max(args.concurrency)
         offline = result["offline_kvserve"] = offline_engine(model, args, num_prompts(largest, args))

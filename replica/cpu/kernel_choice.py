@@ -140,12 +140,13 @@ def fastest(buckets: tuple[int, ...], seconds: dict[str, list[float]]) -> Linear
     """The fastest kernel at every row count up to the last bucket; seconds[kernel][i] is
     its time at buckets[i], and times in between are interpolated: a step's rows fall
     anywhere between the buckets, and the kernel that wins at a bucket's upper end can
-    lose well below it. The default (gemm_group.c's exact kernel for a group-quantized
-    weight, an int8 kernel where one was timed, else gemm.c
-    where it runs, else oneDNN, else the first kernel) keeps a row count unless another
+    lose well below it. The default (for a group-quantized weight, gemm_group.c's
+    int8-activation kernel where it runs, in bf16 models, else its exact one; an int8
+    kernel where one was timed; else gemm.c where it runs, else oneDNN, else the first
+    kernel) keeps a row count unless another
     kernel beats it by more than MARGIN: a choice that flips on noise costs a second
     weight layout (for a quantized linear, a float one beside the int8 one), and gemm.c
-    (or its int8 kernel) is the default because decoder.c's one-call step loop runs only
+    (or its int8 or group kernel) is the default because decoder.c's one-call step loop runs only
     in steps where every linear chose it, which saves per-kernel calls a linear timed
     alone does not show (offline.py --kernel-ab measures the whole). A kernel that beats
     the default at one bucket only, between two where it does not, takes no row counts
@@ -156,6 +157,7 @@ def fastest(buckets: tuple[int, ...], seconds: dict[str, list[float]]) -> Linear
     Infinite times (kernels given up on, time_buckets) never run: at every row count the
     kernel chosen has a finite time wherever any kernel has one."""
     preferred = (
+        linear_kernels.GROUP_Q8_GEMM_C,
         linear_kernels.GROUP_GEMM_C,
         *linear_kernels.INT8_KERNELS,
         linear_kernels.GEMM_C,
