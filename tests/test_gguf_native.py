@@ -248,18 +248,16 @@ def test_greedy_equals_hf_on_the_dequantized_model(gguf_fp32, hf_model, tokenize
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
     for prompt in prompts:
         ids = tokenizer.encode(prompt)
-        out = gguf_fp32.generate([ids], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
-        assert out.outputs[0].token_ids == hf_greedy(hf_model, ids, 24, eos)
+        out = gguf_fp32.generate([ids], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == hf_greedy(hf_model, ids, 16, eos)
 
 
 @needs_kernels
-def test_native_loop_same_as_python_loop(model_path):
-    llm = LLM(
-        str(model_path), dtype="bfloat16", quantization="gguf", cpu_kernels="gemm.c", kv_cache_memory_gb=0.05
-    )
-    assert llm.engine.runner.run_decoder.native is not None
+def test_native_loop_same_as_python_loop(gguf_fp32):
+    """decoder.c's loop over group weights (bf16's rounding points: the group_linear test)."""
+    assert gguf_fp32.engine.runner.run_decoder.native is not None
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=3)
-    ours, theirs, native_steps = _both_loops(llm, ["Hello, my name is", "The sky is"], params)
+    ours, theirs, native_steps = _both_loops(gguf_fp32, ["Hello, my name is", "The sky is"], params)
     _assert_same(ours, theirs)
     assert native_steps > 0
 
