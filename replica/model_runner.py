@@ -92,19 +92,12 @@ def check_quantization(
     """Where each quantization runs: int8 on CPUs through kvserve's CPU kernels (float32 or
     bfloat16), int8 and fp8 on GPUs (replica/quantized_linear.py; fp8 on sm_89 and newer),
     a GGUF file's own blocks and 4-bit checkpoints' integers on CPUs."""
-    if quantization in GROUP_QUANTIZATIONS:
-        if (
-            device.type != "cpu"
-            or backend != CPU_KERNELS
-            or dtype not in PACKABLE_DTYPES
-            or group is not None
-        ):
-            raise ValueError(
-                f"quantization={quantization!r} runs on CPU with kvserve's CPU kernels in float32 or "
-                f"bfloat16, without tensor parallelism; this engine has the {backend} attention backend on "
-                f"{device.type} in {dtype}{' with tensor parallelism' if group is not None else ''}"
-            )
-        return
+    if quantization in GROUP_QUANTIZATIONS and (device.type == "cuda" or group is not None):
+        where = "GPUs" if device.type == "cuda" else "tensor parallelism"
+        raise ValueError(
+            f"quantization={quantization!r} does not yet run with {where}: it runs on CPU with "
+            "kvserve's CPU kernels in float32 or bfloat16"
+        )
     if device.type == "cuda":
         if group is not None:
             raise ValueError(
