@@ -252,30 +252,34 @@ def _assert_ended_cleanly(server: _Serve, code: int, seconds: float, left: list,
         assert not any(mess in line for line in own), output
 
 
-def test_serve_answers_then_shuts_down_cleanly(hf_hub_cache):
-    """A model named by hub id, from an HF cache with no network (HF_HUB_OFFLINE). Then
-    Ctrl-C twice while streams run: the second signal stops it at once, still with exit
-    code 0 and nothing of its Ray left."""
+def test_serve_by_hub_id_with_tensor_parallel_size_2_then_sigterm_under_load(hf_hub_cache):
+    """A model named by hub id, from an HF cache with no network (HF_HUB_OFFLINE), with API
+    keys, as one replica split over two CPU processes (gloo). Then the SIGTERM that
+    Kubernetes sends (to the server's process only) while streams run ends everything, the
+    second rank too."""
     port, grpc_port = 18477, 18478
     env = {"KVSERVE_API_KEYS": "secret-1", "HF_HUB_CACHE": str(hf_hub_cache)}
-    server = _Serve(port, grpc_port, "--model", HUB_ID, env=env)
+    server = _Serve(port, grpc_port, "--model", HUB_ID, "--tensor-parallel-size", "2", env=env)
     try:
         assert server.wait_serving() == HUB_ID
         client = openai.OpenAI(base_url=server.url, api_key="secret-1", max_retries=0)
-        out = client.chat.completions.create(
-            model=HUB_ID, messages=[{"role": "user", "content": "Say hi."}], max_tokens=8
+        out = client.completions.create(
+            model=HUB_ID, prompt="The capital of France is", max_tokens=8, temperature=0
         )
-        assert out.choices[0].message.content
+        assert "Paris" in out.choices[0].text
         with pytest.raises(openai.AuthenticationError):
             client.with_options(api_key="wrong").models.list()
         stub = pb_grpc.LLMStub(grpc.insecure_channel(f"127.0.0.1:{grpc_port}"))
         metadata = [("application", "kvserve"), ("authorization", "Bearer secret-1")]
         models = stub.ListModels(pb.ListModelsRequest(), metadata=metadata)
         assert [m.id for m in models.models] == [HUB_ID]
+        ranks = [
+            p for p in psutil.Process(server.proc.pid).children(recursive=True) if "TPWorker" in _title(p)
+        ]
+        assert len(ranks) == 1  # rank 1; rank 0 is the replica itself
         threads = _streams(server.url, HUB_ID, api_key="secret-1")
-        code, seconds, left = server.stop(signal.SIGINT, signal.SIGINT)
+        code, seconds, left = server.stop(signal.SIGTERM)
         _assert_ended_cleanly(server, code, seconds, left, threads)
-        assert "SIGINT again: stopping now" in server.output
     finally:
         server.kill()
 
@@ -293,27 +297,29 @@ def test_sigterm_to_every_process_ends_serve_cleanly():
         server.kill()
 
 
-def test_serve_with_tensor_parallel_size_2_and_sigterm_under_load():
-    """`kvserve serve --tensor-parallel-size 2`: one replica split over two CPU processes
-    (gloo), answering the openai client. Then the SIGTERM that Kubernetes sends (to the
-    server's process only) while streams run ends everything, the second rank too."""
-    server = _Serve(18575, 18576, "--tensor-parallel-size", "2")
+def test_ctrl_c_twice_while_starting_stops_at_once():
+    """Ctrl-C while the local Ray starts (ray.init cannot be interrupted), then again: the
+    second stops it at once, with exit code 0 and nothing of its Ray left."""
+    server = _Serve(18577, 18578)
     try:
-        model = server.wait_serving()
-        client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
-        out = client.completions.create(
-            model=model, prompt="The capital of France is", max_tokens=8, temperature=0
-        )
-        assert "Paris" in out.choices[0].text
-        ranks = [
-            p for p in psutil.Process(server.proc.pid).children(recursive=True) if "TPWorker" in _title(p)
-        ]
-        assert len(ranks) == 1  # rank 1; rank 0 is the replica itself
-        threads = _streams(server.url, model)
-        code, seconds, left = server.stop(signal.SIGTERM)
-        _assert_ended_cleanly(server, code, seconds, left, threads)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and server.proc.poll() is None:
+            names = {_name(p) for p in psutil.Process(server.proc.pid).children(recursive=True)}
+            if {"raylet", "gcs_server"} <= names:
+                break
+            time.sleep(0.2)
+        code, seconds, left = server.stop(signal.SIGINT, signal.SIGINT)
+        _assert_ended_cleanly(server, code, seconds, left, [])
+        assert "SIGINT again: stopping now" in server.output
+        assert not server.banner  # it never got to serve
     finally:
         server.kill()
+
+
+def _name(p: psutil.Process) -> str:
+    with contextlib.suppress(psutil.Error):
+        return p.name()
+    return ""
 
 
 def _title(p: psutil.Process) -> str:
