@@ -19,6 +19,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include "kvserve_abi.h"
 #include "scalar.h"
 
@@ -149,8 +150,12 @@ static inline __attribute__((always_inline)) void column_tile(
 static void group_sums(float* xsum, const float* x, int64_t m, int64_t k, int group) {
     for (int64_t r = 0; r < m; r++)
         for (int64_t g = 0; g < k / group; g++) {
-            float s = 0.0f;
-            for (int i = 0; i < group; i++) s += x[r * k + g * group + i];
+            const float* v = x + r * k + g * group;
+            int i = 0;
+            __m256 s8 = _mm256_setzero_ps();
+            for (; i + 8 <= group; i += 8) s8 = _mm256_add_ps(s8, _mm256_loadu_ps(v + i));
+            float s = hsum256(s8);
+            for (; i < group; i++) s += v[i];
             xsum[r * (k / group) + g] = s;
         }
 }
@@ -187,10 +192,22 @@ static inline __m256i nibbles32(const uint8_t* block) {
 
 /* A 32-block of x quantized into q, and its scale (the block's largest |x| at 127). */
 static inline float quantize_block(int8_t* q, const float* v) {
-    float peak = 0.0f;
-    for (int i = 0; i < 32; i++) peak = fmaxf(peak, fabsf(v[i]));
-    const float inv = peak > 0.0f ? 127.0f / peak : 0.0f;
-    for (int i = 0; i < 32; i++) q[i] = (int8_t)lrintf(v[i] * inv);
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256 v8[4], peak8 = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        v8[i] = _mm256_loadu_ps(v + 8 * i);
+        peak8 = _mm256_max_ps(peak8, _mm256_and_ps(v8[i], magnitude));
+    }
+    __m128 p4 = _mm_max_ps(_mm256_castps256_ps128(peak8), _mm256_extractf128_ps(peak8, 1));
+    p4 = _mm_max_ps(p4, _mm_movehl_ps(p4, p4));
+    const float peak = _mm_cvtss_f32(_mm_max_ss(p4, _mm_movehdup_ps(p4)));
+    const __m256 inv = _mm256_set1_ps(peak > 0.0f ? 127.0f / peak : 0.0f);
+    __m256i r[4]; /* rounded to nearest even, as lrintf in the default rounding mode */
+    for (int i = 0; i < 4; i++) r[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v8[i], inv));
+    /* The packs work per 128-bit lane: 4-element runs come out as r0 r1 r2 r3 (low halves),
+     * then the high halves; the permutation puts each r's 8 back together. */
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
+    _mm256_storeu_si256((__m256i*)q, _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
     return peak / 127.0f;
 }
 
@@ -332,7 +349,7 @@ static void gemm_group_wide(float* y, const float* x, const uint8_t* qs, const u
             int8_t pair[64];
             const float d[2] = {quantize_block(pair, x + r * k + 64 * p),
                                 quantize_block(pair + 32, x + r * k + 64 * p + 32)};
-            for (int i = 0; i < 64; i++) xq[r * k + 64 * p + wide_order(bits, i)] = pair[i];
+            for (int i = 0; i < 64; i += 16) memcpy(xq + r * k + 64 * p + wide_order(bits, i), pair + i, 16);
             for (int lane = 0; lane < 16; lane++) /* the lane's 4 elements, in wide_order */
                 xd16[(r * pairs + p) * 16 + lane] = d[bits == 4 ? (lane / 4) % 2 : lane / 8];
         }
