@@ -11,7 +11,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flash_attn")
 CPU_KERNEL_CHOICES = ("auto", "gemm.c", "onednn", "torch")
 # vLLM's names: int8 or fp8 (e4m3) weights, activations quantized per token; int8 on CPUs
 # (replica/cpu/int8.py) and GPUs, fp8 on GPUs (replica/quantized_linear.py).
-QUANTIZATIONS = (None, "int8", "fp8", "gguf", "gptq", "awq", "w4a16")
+QUANTIZATIONS = (None, "none", "int8", "fp8", "gguf", "gptq", "awq", "w4a16")
 # vLLM's names (replica/kv_quant.py); "auto" keeps K and V in the model's dtype.
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 
@@ -107,13 +107,15 @@ class EngineConfig:
     # GPUs of compute capability 8.9 or newer): each decoder linear's weight in 8 bits with
     # one scale per output row, its activations quantized per token at each step, and
     # lm_head's alike. The embeddings stay in `dtype`. "gguf" (CPUs, a .gguf model): the
-    # file's own 4- to 8-bit blocks, embeddings included (replica/gguf_blocks.py).
+    # file's own 4- to 8-bit blocks, embeddings included (replica/gguf_blocks.py); a .gguf
+    # model file gets it by default where it runs, as in vLLM ("none": dequantized).
     quantization: str | None = field(
         default=None,
         metadata={
             "help": "int8 (CPUs and GPUs) or fp8 (GPUs of compute capability 8.9+): each decoder linear's "
             "weight in 8 bits, its activations quantized per token; gguf (CPUs, a .gguf model): the "
-            "file's own quantized blocks; gptq, awq, w4a16: a 4-bit checkpoint's (read from its config)",
+            "file's own quantized blocks, the default for a .gguf file where they run (none: dequantized); "
+            "gptq, awq, w4a16: a 4-bit checkpoint's (read from its config)",
             "choices": QUANTIZATIONS,
         },
     )

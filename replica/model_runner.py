@@ -123,6 +123,28 @@ def check_quantization(
         )
 
 
+def resolve_quantization(
+    config: EngineConfig, device: torch.device, dtype: torch.dtype, backend: str, group: TPGroup | None
+) -> str | None:
+    """The quantization asked for ("none": none, a GGUF file dequantized), or else vLLM's
+    default for a .gguf model file: its own blocks (quantization="gguf") where they run,
+    and where they do not, the file dequantized into `dtype`, with the reason in the log.
+    The bundled model, named by no path, stays dequantized: at a batch of 16 the served
+    bf16 model is faster (bench/results/serving_peers_gguf_llama_server_*.json)."""
+    if config.quantization == "none":
+        return None
+    if config.quantization is not None or not str(config.model or "").lower().endswith(".gguf"):
+        return config.quantization
+    try:
+        check_quantization("gguf", device, dtype, backend, group)
+        if config.cpu_kernels not in ("auto", "gemm.c"):
+            raise ValueError(f"cpu_kernels={config.cpu_kernels!r} has no kernel for every GGUF block type")
+    except ValueError as e:
+        logger.info("%s is dequantized to %s, as its blocks do not run here: %s", config.model, dtype, e)
+        return None
+    return "gguf"
+
+
 def _load_causal_lm(model_path, dtype: torch.dtype, attn_implementation: str) -> torch.nn.Module:
     transformers_logging.disable_progress_bar()
     try:
@@ -152,7 +174,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
         name = _attention_backend_name(config, self.device, self.dtype, self.kv_dtype)
-        quantization, checkpoint = config.quantization, checkpoint_quantization(model_path)
+        quantization = resolve_quantization(config, self.device, self.dtype, name, group)
+        checkpoint = checkpoint_quantization(model_path)
         tokenizer_path = model_path
         if checkpoint:
             if quantization not in (None, checkpoint):

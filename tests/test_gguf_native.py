@@ -7,7 +7,8 @@
   per 32-block as it quantizes it, the dequantizing one bit for bit, and decoder.c's
   group_linear against the Python loop's path through the same kernels.
 - The chooser keeps one layout per group weight.
-- The bundled model: its Q4_1 and Q8_0 blocks load, hold at most 0.35x the bf16 model's
+- Where a .gguf model file runs its blocks by default, and where it is dequantized.
+- The bundled model, named by its file: its Q4_1 and Q8_0 blocks load, hold at most 0.35x the bf16 model's
   weight memory, and the fp32 engine's greedy tokens equal HF `generate` on the model
   transformers dequantized; the native loop equals the Python one."""
 
@@ -200,14 +201,18 @@ def test_the_dequantizing_kernel_is_timed_at_every_bucket():
 
 
 @pytest.fixture(scope="module")
-def gguf_fp32(model_path):
-    """The bundled model's own blocks, every linear on the exact kernel."""
-    return LLM(str(model_path), dtype="float32", quantization="gguf", cpu_kernels="gemm.c")
+def gguf_fp32():
+    """The bundled model's own blocks, every linear on the exact kernel: the GGUF file named
+    by its path, which runs its blocks by default (quantization="gguf")."""
+    from replica.model_loader import bundled_gguf_path
+
+    return LLM(str(bundled_gguf_path()), dtype="float32", cpu_kernels="gemm.c")
 
 
 @needs_kernels
 def test_the_bundled_models_blocks_run_as_they_are(gguf_fp32, model_path):
     runner = gguf_fp32.engine.runner
+    assert runner.weights.quantization == "gguf"
     fused = runner.run_decoder
     layouts = [m.layout(linear_kernels.GROUP_GEMM_C)[0] for a in fused.attentions for m in (a.qkv, a.o_proj)]
     layouts += [
@@ -272,6 +277,47 @@ def test_gguf_needs_a_gguf_model(tmp_path, tokenizer):
         LLM(str(tmp_path), dtype="float32", quantization="gguf")
     with pytest.raises(ValueError, match="runs on CPU with kvserve's CPU kernels"):
         LLM(str(tmp_path), dtype="float32", quantization="gguf", attention_backend="torch")
+
+
+# (what is asked, the model named, where it runs) -> the engine's quantization
+DEFAULTS = [
+    ({}, "m.gguf", "gguf"),
+    ({}, "/models/M.GGUF", "gguf"),
+    ({"cpu_kernels": "gemm.c"}, "m.gguf", "gguf"),
+    ({"quantization": "none"}, "m.gguf", None),
+    ({"quantization": "int8"}, "m.gguf", "int8"),
+    ({}, "/models/llama", None),
+    ({}, None, None),  # the bundled model
+    ({"backend": "torch"}, "m.gguf", None),
+    ({"dtype": torch.float16}, "m.gguf", None),
+    ({"group": object()}, "m.gguf", None),  # tensor parallelism
+    ({"device": torch.device("cuda")}, "m.gguf", None),
+    ({"cpu_kernels": "torch"}, "m.gguf", None),  # no kernel of its own for Q8_0
+    ({"cpu_kernels": "onednn"}, "m.gguf", None),
+]
+
+
+@pytest.mark.parametrize("given_, model, expected", DEFAULTS)
+def test_a_gguf_file_runs_its_blocks_by_default_where_they_run(given_, model, expected, caplog):
+    """vLLM's default for a .gguf model; where the blocks cannot run, the file is
+    dequantized as before, and the log says why."""
+    from replica.attention.select import CPU_KERNELS
+    from replica.config import EngineConfig
+    from replica.model_runner import resolve_quantization
+
+    config = EngineConfig(
+        model=model, quantization=given_.get("quantization"), cpu_kernels=given_.get("cpu_kernels", "auto")
+    )
+    where = {
+        "device": given_.get("device", torch.device("cpu")),
+        "dtype": given_.get("dtype", torch.bfloat16),
+        "backend": given_.get("backend", CPU_KERNELS),
+        "group": given_.get("group"),
+    }
+    with caplog.at_level("INFO", logger="replica.model_runner"):
+        assert resolve_quantization(config, **where) == expected
+    dequantized = expected is None and model is not None and model.lower().endswith(".gguf")
+    assert ("is dequantized" in caplog.text) == (dequantized and given_.get("quantization") != "none")
 
 
 def test_torch_int4_layout_counts_its_own_bytes():
