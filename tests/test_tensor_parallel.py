@@ -240,6 +240,9 @@ def test_a_tp2_replica_serves_and_is_replaced_when_a_worker_dies(ray_cluster, mo
             for pg in tables
         )
 
+        # process_iter keeps its Process objects between calls, whoever made them, and
+        # yields a kept one for a reused PID: its kill() then refuses. Fresh ones only.
+        psutil.process_iter.cache_clear()
         (worker,) = [
             p
             for p in psutil.process_iter(["cmdline"])
