@@ -1,8 +1,7 @@
 """Servers started as a user starts them, for the benchmarks that load a server from
 outside: `kvserve serve`, `vllm serve` (vLLM's CPU build in its own venv) and llama.cpp's
-`llama-server`. Each runs in
-a session of its own, so that stopping it reaches every process it started (Ray's too),
-and nothing else on the machine."""
+`llama-server`. Each runs in a session of its own, so that stopping it reaches every
+process it started (Ray's too), and nothing else on the machine."""
 
 import os
 import signal

@@ -161,11 +161,7 @@ class _Serve:
         does), each further one 1 s later if it still runs; returns its exit code, how long
         it took, and the processes it had started that are still alive."""
         started = psutil.Process(self.proc.pid).children(recursive=True)
-        names = set()
-        for p in started:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                names.add(p.name())
-        assert {"raylet", "gcs_server"} <= names  # it started a local Ray
+        assert {"raylet", "gcs_server"} <= {_name(p) for p in started}  # it started a local Ray
         t0 = time.monotonic()
         for p in [psutil.Process(self.proc.pid), *started] if to_all else [self.proc]:
             with contextlib.suppress(psutil.NoSuchProcess):

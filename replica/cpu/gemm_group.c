@@ -16,7 +16,6 @@
  * Columns go to threads in panels of Q_PANEL, each thread a contiguous share of them: two
  * threads taking small panels in turn read memory at a third of the speed. Rows go in
  * tiles of Q_TILE_ROWS, whose weights are unpacked once per tile. */
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
