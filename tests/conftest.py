@@ -224,11 +224,14 @@ def pytest_collection_modifyitems(items):
 
 
 def pytest_runtest_teardown(item, nextitem):
-    """After the last test of the modules that use agent_app, its app goes."""
+    """After the last test of the modules that use agent_app, its app goes. Ray is imported
+    only then: the device kit runs tests where Ray is not installed."""
+    last = item.path in AGENT_APP_MODULES and (nextitem is None or nextitem.path not in AGENT_APP_MODULES)
+    if not last:
+        return
     import ray
 
-    last = item.path in AGENT_APP_MODULES and (nextitem is None or nextitem.path not in AGENT_APP_MODULES)
-    if last and ray.is_initialized():
+    if ray.is_initialized():
         from ray import serve
 
         if AGENT_APP in serve.status().applications:
