@@ -47,6 +47,7 @@ NOT_FLAGS = {
     "attention_backend": _TUNING,
     "enable_cuda_graphs": _TUNING,
     "cuda_graph_max_batch": _TUNING,
+    "gpu_decoder": _TUNING,
     "async_scheduling": _TUNING,
 }
 

@@ -8,6 +8,7 @@ from replica.spec_decode.config import SpeculativeConfig
 SCHEDULING_POLICIES = ("fcfs", "priority", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flash_attn")
+GPU_DECODERS = ("auto", "fused", "transformers")
 CPU_KERNEL_CHOICES = ("auto", "gemm.c", "onednn", "torch")
 # vLLM's names: int8 or fp8 (e4m3) weights, activations quantized per token; int8 on CPUs
 # (replica/cpu/int8.py) and GPUs, fp8 on GPUs (replica/quantized_linear.py).
@@ -77,6 +78,10 @@ class EngineConfig:
     # (kernel backends on CUDA only; ignored on CPU and with the torch backend).
     enable_cuda_graphs: bool = True
     cuda_graph_max_batch: int = 256
+    # With the Triton backend, a Llama-family decoder runs as replica/gpu/decoder.py's fused
+    # one ("auto" or "fused"; about ten launches a layer instead of forty), or as
+    # transformers' modules ("transformers", for A/B runs). Ignored by the other backends.
+    gpu_decoder: str = "auto"
     seed: int = 0
     # Launch step N+1 before reading step N's sampled tokens (vLLM's async scheduling,
     # SGLang's overlap scheduler). None: on for CUDA, off on CPU, where host and "device"
@@ -194,6 +199,8 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
             )
+        if self.gpu_decoder not in GPU_DECODERS:
+            raise ValueError(f"gpu_decoder must be one of {GPU_DECODERS}, got {self.gpu_decoder!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}")
         if self.cpu_cores is not None and self.cpu_cores != "auto":

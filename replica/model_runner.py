@@ -219,10 +219,24 @@ class ModelRunner:
             shard = shard_model(self.model, group)
             q_heads, kv_heads = shard.num_q, shard.num_kv
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        fused = None
+        if name == "triton" and group is None and config.gpu_decoder != "transformers":
+            from replica.gpu.decoder import fuse_for_gpu  # imports triton, which only this backend needs
+
+            fused = fuse_for_gpu(self.model)  # on the host: no unpacked copy on the device
+        if config.gpu_decoder == "fused" and fused is None:
+            raise ValueError(
+                "gpu_decoder='fused' runs a Llama-family model on one rank with the triton attention "
+                f"backend; this engine has the {name} backend"
+                + (" and tensor parallelism" if group is not None else "")
+                + ", and the log says why the model stayed transformers'"
+            )
         self.model.to(self.device).eval()
+        self.op_timings = None  # the fused GPU decoder's, where it measured them
+        if fused is not None and self.device.type == "cuda":
+            self.op_timings = fused.choose_ops(self.block_size, config.max_num_batched_tokens)
         if quantization and self.device.type == "cuda":
             quantize_linears(self.model, quantization)
-        fused = None
         if name == CPU_KERNELS:
             chooser = KernelChooser(
                 config.cpu_kernels, max_rows=config.max_num_batched_tokens, quantization=quantization

@@ -96,15 +96,18 @@ class QuantizedLinear(nn.Module):
 
 
 def quantize_linears(model: nn.Module, kind: str) -> int:
-    """Replaces every nn.Linear of the decoder's layers and lm_head with a QuantizedLinear,
+    """Replaces every nn.Linear of the decoder (transformers' or replica/gpu/decoder.py's,
+    whose packed projections sit outside any `layers`) and lm_head with a QuantizedLinear,
     in place, on the device each one is on; a linear with `weight_scale` (a pre-quantized
     checkpoint's, checkpoint_quantization.attach_weight_scales) keeps those scales. The
     embeddings and norms stay as they are. Returns how many were replaced."""
+    decoder = getattr(model, model.base_model_prefix)
+    in_decoder = {id(m) for m in decoder.modules()}
     targets = [
         (name, module)
         for name, module in model.named_modules()
         if isinstance(module, nn.Linear)
-        and (".layers." in f".{name}" or module is model.get_output_embeddings())
+        and (id(module) in in_decoder or module is model.get_output_embeddings())
     ]
     for name, linear in targets:
         parent_name, _, child = name.rpartition(".")

@@ -10,9 +10,11 @@ quantized keys and values, as the torch backend does).
 import torch
 
 from replica.attention.context import get_forward_context
+from replica.attention.metadata import AttentionMetadata
 from replica.attention.triton_decode import paged_decode
 from replica.attention.triton_prefill import paged_prefill
 from replica.attention.triton_write import write_kv_triton
+from replica.kv_quant import UNIT_SCALE, KVScale
 
 
 def triton_paged_attention(
@@ -35,7 +37,19 @@ def triton_paged_attention(
     kv_scale = ctx.kv_scale(module.layer_idx)
     write_kv_triton(k_cache, v_cache, k, v, meta.slot_mapping, kv_scale)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    return attend(q, k_cache, v_cache, meta, scale, kv_scale).unsqueeze(0), None  # [B, T, H, D]
 
+
+def attend(
+    q: torch.Tensor,  # [T, H, D], any strides with a contiguous last dim
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    kv_scale: KVScale = UNIT_SCALE,
+) -> torch.Tensor:
+    """Every packed row's attention over the cache, which already holds this step's keys and
+    values: the decode rows in one launch, every prefill chunk in another. -> [T, H, D]"""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     nd = meta.num_decodes
     if nd:
@@ -62,4 +76,4 @@ def triton_paged_attention(
             out,
             kv_scale,
         )
-    return out.unsqueeze(0), None  # transformers expects [B, T, H, D]
+    return out

@@ -1,0 +1,120 @@
+"""Which implementation of each fused element-wise op runs on this GPU, per row count, by
+measurement at load: the Triton kernel (fused_ops.py, one launch) or its torch reference
+(transformers' ops, several launches), as the CPU's linears are chosen
+(replica/cpu/kernel_choice.py: the same buckets, the same `fastest`, Triton the default
+that torch must beat by the margin). Each is timed with CUDA events on the model's own
+shapes, alone; the timings go to the log. Where nothing is timed (a CPU, the tests under
+the Triton interpreter), the Triton kernels run.
+"""
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+
+from replica.cpu.kernel_choice import LinearChoice, buckets_up_to, fastest
+from replica.gpu import fused_ops
+
+TRITON, TORCH = "triton", "torch"
+IMPLEMENTATIONS = {
+    "add_rms_norm": {TRITON: fused_ops.add_rms_norm, TORCH: fused_ops.add_rms_norm_reference},
+    "silu_mul": {TRITON: fused_ops.silu_mul, TORCH: fused_ops.silu_mul_reference},
+    "rope_write_kv": {TRITON: fused_ops.rope_write_kv, TORCH: fused_ops.rope_write_kv_reference},
+}
+ROUNDS, CALLS = 5, 20
+
+
+@dataclass
+class OpChoices:
+    """op name -> its choice of implementation by row count; an op not in it runs Triton."""
+
+    choices: dict[str, LinearChoice] = field(default_factory=dict)
+
+    def pick(self, op: str, rows: int) -> Callable:
+        choice = self.choices.get(op)
+        return IMPLEMENTATIONS[op][choice.kernel_for(rows) if choice else TRITON]
+
+    def describe(self) -> str:
+        return "; ".join(f"{op}: {c.describe()}" for op, c in self.choices.items()) or "triton everywhere"
+
+
+def _seconds(call: Callable[[], None]) -> float:
+    """A call's time on the GPU: the median over ROUNDS of CALLS back-to-back calls, with
+    CUDA events, after a warm-up (Triton's compile)."""
+    call()
+    torch.cuda.synchronize()
+    rounds = []
+    for _ in range(ROUNDS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(CALLS):
+            call()
+        end.record()
+        end.synchronize()
+        rounds.append(start.elapsed_time(end) / 1e3 / CALLS)
+    return statistics.median(rounds)
+
+
+@dataclass(frozen=True)
+class OpShapes:
+    hidden: int
+    intermediate: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+    head_norms: bool  # Qwen3's per-head norms before rotary
+
+
+Timings = dict[str, dict[str, list[float]]]  # op -> implementation -> seconds at each bucket
+
+
+def time_ops(shapes: OpShapes, buckets: tuple[int, ...], device: torch.device) -> Timings:
+    s = shapes
+    out: Timings = {op: {TRITON: [], TORCH: []} for op in IMPLEMENTATIONS}
+    weight = torch.ones(s.hidden, dtype=s.dtype, device=device)
+    head_weight = torch.ones(s.head_dim, dtype=s.dtype, device=device)
+    norms = (head_weight, head_weight, 1e-6) if s.head_norms else None
+    num_blocks = -(-buckets[-1] // s.block_size)
+    cache_shape = (num_blocks, s.num_kv_heads, s.block_size, s.head_dim)
+    k_cache = torch.zeros(cache_shape, dtype=s.dtype, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    for rows in buckets:
+        x = torch.randn(rows, s.hidden, dtype=s.dtype, device=device)
+        residual = torch.randn_like(x)
+        gate_up = torch.randn(rows, 2 * s.intermediate, dtype=s.dtype, device=device)
+        qkv = torch.randn(rows, (s.num_heads + 2 * s.num_kv_heads) * s.head_dim, dtype=s.dtype, device=device)
+        cos = torch.randn(rows, s.head_dim, dtype=s.dtype, device=device)
+        slots = torch.arange(rows, device=device)
+        for name in (TRITON, TORCH):
+            impl = {op: impls[name] for op, impls in IMPLEMENTATIONS.items()}
+            calls = {
+                "add_rms_norm": partial(impl["add_rms_norm"], x, weight, 1e-6, residual),
+                "silu_mul": partial(impl["silu_mul"], gate_up),
+                "rope_write_kv": partial(
+                    impl["rope_write_kv"],
+                    qkv,
+                    cos,
+                    cos,
+                    k_cache,
+                    v_cache,
+                    slots,
+                    s.num_heads,
+                    s.num_kv_heads,
+                    norms=norms,
+                ),  # fmt: skip
+            }
+            for op, call in calls.items():
+                out[op][name].append(_seconds(call))
+    return out
+
+
+def choose_ops(shapes: OpShapes, max_rows: int, device: torch.device) -> tuple[OpChoices, dict]:
+    """The choices, and the buckets and timings they came from."""
+    buckets = buckets_up_to(max_rows)
+    timings = time_ops(shapes, buckets, device)
+    choices = OpChoices({op: fastest(buckets, seconds) for op, seconds in timings.items()})
+    return choices, {"buckets": buckets, **timings}
