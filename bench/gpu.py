@@ -15,6 +15,13 @@ b. Batch-1 decode step (engine step, and the runner's forward + lm_head alone) a
    device-to-device copy bandwidth.
 c. The Triton decode kernel at batch 64 x 4096 context: K/V bytes read / time, as a
    fraction of the copy bandwidth.
+d. A profile of the engine's decode steps at batch 1 and at batch 128 (bench/gpu_profile.py:
+   kernels per step, the top 20 kernels, the GPU's idle share, host time outside the graph),
+   for the fused decoder (replica/gpu/decoder.py) and, in a second engine, transformers'
+   modules (gpu_decoder="transformers"), whose batch-1 step is timed too.
+e. The single-stream baseline: transformers' `generate` at batch 1 with a static cache,
+   compiled with torch.compile (mode "reduce-overhead"), per token, against kvserve's
+   batch-1 step.
 
 A lent GPU gives 10 minutes a command, and scripts/device_check.sh runs the GPU tests in
 the same one. So by default:
@@ -37,6 +44,7 @@ machine with time.
 
 import argparse
 import math
+import os
 import sys
 import tempfile
 import time
@@ -47,6 +55,7 @@ from transformers import AutoModelForCausalLM
 
 from bench.budget import Budget, Report, budget_spent, failed, say, skipped
 from bench.gpu_measurements import batch1_step, copy_bandwidth, decode_kernel_bandwidth
+from bench.gpu_profile import hf_static_cache_step, profile_decode_steps
 from bench.machine import machine, result_path, software_versions
 from bench.random_model import LLAMA_1B, TINY, build_model
 from bench.runners import (
@@ -64,7 +73,9 @@ TARGETS = {
     "speedup_vs_hf_generate_batch": 2.0,
     "batch1_step_over_floor": 1.3,  # at most
     "decode_kernel_bandwidth_fraction": 0.7,
+    "batch1_step_over_hf_static_cache_compiled": 1.0,  # at most
 }
+AT_MOST = ("batch1_step_over_floor", "batch1_step_over_hf_static_cache_compiled")
 SYSTEMS = ("kvserve", "hf_static", "hf_generate_batch")
 
 
@@ -98,10 +109,11 @@ def kvserve_parts(report: Report, args, device: str, model_dir: Path, workloads,
     """kvserve's throughput, then its batch-1 step against the memory floor."""
     result = report.result
     memory = {"gpu_memory_utilization": args.gpu_memory_utilization} if device == "cuda" else {}
-    say("kvserve: starting the engine")
-    llm = report.section(
-        "engine",
-        lambda: LLM(
+
+    backend = "triton" if args.interpret_triton else "auto"
+
+    def engine(gpu_decoder: str = "auto") -> LLM:
+        return LLM(
             str(model_dir),
             dtype="bfloat16",
             device=device,
@@ -110,9 +122,13 @@ def kvserve_parts(report: Report, args, device: str, model_dir: Path, workloads,
             max_model_len=args.prompt_len + max(args.caps),
             enable_prefix_caching=False,
             kv_cache_memory_gb=0.25,
+            gpu_decoder=gpu_decoder,
+            attention_backend=backend,
             **memory,
-        ),
-    )
+        )
+
+    say("kvserve: starting the engine")
+    llm = report.section("engine", engine)
     if llm is None:
         result["throughput"]["kvserve"] = {cap: skipped("the engine failed to start") for cap in workloads}
         result["batch1_decode"] = skipped("the engine failed to start")
@@ -121,6 +137,7 @@ def kvserve_parts(report: Report, args, device: str, model_dir: Path, workloads,
     result["engine"] = {
         "status": "ran",
         "attention_backend": runner.backend.name,
+        "decoder": type(runner.run_decoder).__name__,
         "block_size": runner.block_size,
         "num_kv_blocks": runner.num_blocks,
     }
@@ -136,33 +153,101 @@ def kvserve_parts(report: Report, args, device: str, model_dir: Path, workloads,
     if budget.left() <= 0:
         result["batch1_decode"] = budget_spent(args.budget_s)
         return
-    steps = 16 if args.smoke else 200
-    batch1 = report.section(
-        "batch1_decode", lambda: batch1_step(llm, workloads[args.caps[0]][0][0], steps, device)
-    )
+    batch1 = report.section("batch1_decode", lambda: batch1_decode(llm, args, device, workloads, bandwidth))
     if batch1 is not None:
-        weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-        kv_bytes = batch1["context_len"] * runner.bytes_per_block // runner.block_size
-        floor = (weight_bytes + kv_bytes) / bandwidth
-        result["batch1_decode"] = {
-            "status": "ran",
-            **batch1,
-            "weight_bytes": weight_bytes,
-            "kv_bytes": kv_bytes,
-            "floor_s": floor,
-            "engine_step_over_floor": batch1["engine_step_s"] / floor,
-            "runner_step_over_floor": batch1["runner_step_s"] / floor,
-        }
-        say(f"batch-1 step: {result['batch1_decode']}")
-
-
-def hf_parts(report: Report, args, device: str, model_dir: Path, workloads, warm, budget) -> None:
-    systems = [s for s in ("hf_static", "hf_generate_batch") if s in args.systems]
+        result["batch1_decode"] = batch1
+        say(f"batch-1 step: {batch1}")
+    profiles(report, "profile", llm, args, device, budget)
+    llm = runner = None  # the first engine's memory goes before the second's
+    free_memory()
     if budget.left() <= 0:
+        result["transformers_decoder"] = budget_spent(args.budget_s)
+        return
+    # The same engine with transformers' modules: the fused decoder's A/B, in one run.
+    say("kvserve: starting the engine with gpu_decoder='transformers'")
+    plain = report.section("transformers_decoder", lambda: engine("transformers"))
+    if plain is None:
+        return
+    result["transformers_decoder"] = {
+        "status": "ran",
+        "decoder": type(plain.engine.runner.run_decoder).__name__,
+    }
+    step = report.section(
+        "transformers_decoder", lambda: batch1_decode(plain, args, device, workloads, bandwidth)
+    )
+    if step is not None:
+        result["transformers_decoder"]["batch1_decode"] = step
+        say(f"batch-1 step, transformers' modules: {step}")
+    profiles(report, "transformers_decoder_profile", plain, args, device, budget)
+    plain = None
+    free_memory()
+
+
+def batch1_decode(llm: LLM, args, device: str, workloads, bandwidth: float) -> dict:
+    runner = llm.engine.runner
+    steps = 16 if args.smoke else 200
+    batch1 = batch1_step(llm, workloads[args.caps[0]][0][0], steps, device)
+    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    kv_bytes = batch1["context_len"] * runner.bytes_per_block // runner.block_size
+    floor = (weight_bytes + kv_bytes) / bandwidth
+    return {
+        "status": "ran",
+        **batch1,
+        "weight_bytes": weight_bytes,
+        "kv_bytes": kv_bytes,
+        "floor_s": floor,
+        "engine_step_over_floor": batch1["engine_step_s"] / floor,
+        "runner_step_over_floor": batch1["runner_step_s"] / floor,
+    }
+
+
+def profiles(report: Report, key: str, llm: LLM, args, device: str, budget: Budget) -> None:
+    """Profiles of decode steps at batch 1 and at the cap-128 run's batch."""
+    report.result[key] = {}
+    steps = 2 if args.smoke else 20
+    for batch in (1, min(128, args.batch_size)):
+        if budget.left() <= 0:
+            report.result[key][f"batch_{batch}"] = budget_spent(args.budget_s)
+            continue
+        part = report.section(
+            key, lambda b=batch: profile_decode_steps(llm, args.prompt_len, b, steps, device)
+        )
+        if part is None:
+            return
+        report.result[key][f"batch_{batch}"] = {"status": "ran", **part}
+        report.write()
+        say(
+            f"profile, batch {batch}: {part['kernels_per_step']:.0f} kernels a step, {part['step_ms']:.2f} ms"
+        )
+
+
+def hf_parts(report: Report, args, device: str, model_dir: Path, workloads, warm, budget, vocab: int) -> None:
+    systems = [s for s in ("hf_static", "hf_generate_batch") if s in args.systems]
+
+    def out_of_budget() -> bool:
+        if budget.left() > 0:
+            return False
         report.result["hf_model"] = budget_spent(args.budget_s)
         for system in systems:
             report.result["throughput"][system] = {cap: budget_spent(args.budget_s) for cap in workloads}
+        return True
+
+    if out_of_budget():
         return
+    # First, as the single-stream bar compares with it: batch 1, static cache, compiled.
+    if "hf_static" in systems:
+        say("HF generate, static cache, batch 1")
+        new_tokens = 16 if args.smoke else 128
+        step = report.section(
+            "hf_static_cache_batch1",
+            lambda: hf_static_cache_step(model_dir, device, args.prompt_len, new_tokens, vocab, args.seed),
+        )
+        if step is not None:
+            report.result["hf_static_cache_batch1"] = {"status": "ran", **step}
+            say(f"HF static cache, batch 1: {step}")
+        free_memory()
+        if out_of_budget():
+            return
     say("HF model: loading")
     hf = report.section(
         "hf_model",
@@ -229,14 +314,23 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=None, help="the JSON file")
     parser.add_argument("--out-dir", type=Path, default=None, help="write gpu_<machine>.json here")
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU, seconds")
+    parser.add_argument(
+        "--interpret-triton",
+        action="store_true",
+        help="with --smoke: kvserve on the GPU's Triton backend and fused decoder, interpreted on CPU "
+        "(TRITON_INTERPRET=1, as the device kit's rehearsal sets it), about 4x slower",
+    )
     args = parser.parse_args()
+    if args.interpret_triton and not (args.smoke and os.environ.get("TRITON_INTERPRET") == "1"):
+        parser.error("--interpret-triton needs --smoke and TRITON_INTERPRET=1 in the environment")
     if args.full:
         args.budget_s = args.limit_s = math.inf
         args.hf_static_batches = sys.maxsize
     if args.smoke:
         args.num_requests, args.prompt_len, args.mean_output = 8, 32, 8
         args.caps, args.batch_size, args.max_num_batched_tokens = [4, 16], 4, 256
-        args.budget_s, args.limit_s = min(args.budget_s, 50), min(args.limit_s, 10)
+        # --interpret-triton (the device kit's rehearsal) needs about 60 s of it.
+        args.budget_s, args.limit_s = min(args.budget_s, 90), min(args.limit_s, 10)
     return args
 
 
@@ -284,7 +378,10 @@ def main() -> int:
         engine=skipped(f"kvserve {not_run}"),
         cuda_graphs=skipped("CPU run: no CUDA graphs"),
         batch1_decode=skipped(f"kvserve {not_run}"),
+        profile=skipped(f"kvserve {not_run}"),
+        transformers_decoder=skipped(f"kvserve {not_run}"),
         hf_model=skipped("no HF system in --systems"),
+        hf_static_cache_batch1=skipped("no HF system in --systems"),
     )
     start = time.perf_counter()
     build_model(model_dir, shape, device)
@@ -311,7 +408,7 @@ def main() -> int:
         result["decode_kernel"] = {"status": "ran", **kernel}
         say(f"decode kernel: {kernel}")
     if {"hf_static", "hf_generate_batch"} & set(args.systems):
-        hf_parts(report, args, device, model_dir, workloads, warm, budget)
+        hf_parts(report, args, device, model_dir, workloads, warm, budget, vocab)
         free_memory()
 
     result["targets"] = targets(result)
@@ -347,6 +444,16 @@ def targets(result: dict) -> dict:
         measured["speedup_vs_hf_generate_batch"] = (min(v for v, _ in batch), any(p for _, p in batch))
     if result["batch1_decode"].get("status") == "ran":
         measured["batch1_step_over_floor"] = (result["batch1_decode"]["engine_step_over_floor"], False)
+    hf_step = result.get("hf_static_cache_batch1", {})
+    if (
+        result["batch1_decode"].get("status") == "ran"
+        and hf_step.get("status") == "ran"
+        and hf_step["compiled"]
+    ):
+        measured["batch1_step_over_hf_static_cache_compiled"] = (
+            result["batch1_decode"]["engine_step_s"] / hf_step["per_token_s"],
+            False,
+        )
     if result["decode_kernel"].get("status") == "ran":
         measured["decode_kernel_bandwidth_fraction"] = (
             result["decode_kernel"]["fraction_of_copy_bandwidth"],
@@ -358,7 +465,7 @@ def targets(result: dict) -> dict:
             report[name] = skipped("not measured in this run")
             continue
         value, partial = measured[name]
-        at_most = name == "batch1_step_over_floor"
+        at_most = name in AT_MOST
         met = value <= target if at_most else value >= target
         report[name] = {
             "status": "ran",

@@ -11,9 +11,9 @@
 #   2. print the versions, nvidia-smi and the device;
 #   3. check that the engine, the offline API and bench.gpu import without Ray;
 #   4. the GPU tests (tests/test_gpu_path.py, tests/test_quantized_linear.py,
-#      tests/test_triton_attention.py, tests/test_lora_kernels.py): past their budget the
-#      rest are skipped, not started (tests/conftest.py), so the log and the JUnit XML
-#      name what ran;
+#      tests/test_triton_attention.py, tests/test_lora_kernels.py, tests/test_gpu_decoder.py):
+#      past their budget the rest are skipped, not started (tests/conftest.py), so the log
+#      and the JUnit XML name what ran;
 #   5. python -m bench.gpu, which keeps its own budget and writes its JSON after every part;
 #   6. python -m bench.quantized_gemm: int8 and fp8 weights against bf16 (GEMMs, then the
 #      engine), likewise.
@@ -44,7 +44,7 @@ if [ $REHEARSE -eq 1 ]; then
     rm -rf "$OUT"  # the last rehearsal's
   fi
   TESTS_BUDGET_S=${TESTS_BUDGET_S:-900}
-  BENCH_ARGS=(--smoke)
+  BENCH_ARGS=(--smoke --interpret-triton)
   BENCH_HARD_S=${BENCH_HARD_S:-180}
   QUANT_ARGS=(--smoke)
   QUANT_HARD_S=${QUANT_HARD_S:-120}
@@ -187,7 +187,7 @@ gpu_tests() {
   "$PYTHON" -m pytest -p no:cacheprovider -q -rs --junitxml="$OUT/pytest_gpu_path.xml" \
     tests/test_gpu_path.py tests/test_quantized_linear.py || rc=$?
   "$PYTHON" -m pytest -p no:cacheprovider -q -rs --junitxml="$OUT/pytest_triton.xml" "${parallel[@]}" \
-    tests/test_triton_attention.py tests/test_lora_kernels.py || rc=$?
+    tests/test_triton_attention.py tests/test_lora_kernels.py tests/test_gpu_decoder.py || rc=$?
   return "$rc"
 }
 export OUT KVSERVE_TESTS_DEADLINE=$(($(date +%s) + TESTS_BUDGET_S))
