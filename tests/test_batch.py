@@ -119,12 +119,15 @@ def test_refuses_to_overwrite_without_resume(ray_cluster, tmp_path):
         run_batch(str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"))
 
 
-def test_killed_run_resumes_with_exactly_one_row_per_id(tmp_path):
+def test_killed_run_resumes_with_exactly_one_row_per_id(ray_cluster, tmp_path):
+    """`kvserve batch` as a job of the session's Ray: its driver is killed mid-run (Ray then
+    ends the job's actors, as it would on a cluster), and a second run resumes."""
     good = write_rows(tmp_path / "in.jsonl", 100, bad=False)
     out = tmp_path / "out.jsonl"
     args = [sys.executable, "-m", "deployments.cli", "batch", str(tmp_path / "in.jsonl"), str(out)]
     args += ["--batch-size", "10", "--max-replicas", "1", "--num-cpus-per-replica", "0.5"]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_ADDRESS="local")
+    address = ray_cluster.get_runtime_context().gcs_address
+    env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_ADDRESS=address)
     first = subprocess.Popen(
         args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
@@ -134,7 +137,7 @@ def test_killed_run_resumes_with_exactly_one_row_per_id(tmp_path):
             assert first.poll() is None and time.time() < deadline, "the first run ended or stalled early"
             time.sleep(0.2)
     finally:
-        os.killpg(first.pid, signal.SIGKILL)  # the whole process group: driver and its Ray
+        os.killpg(first.pid, signal.SIGKILL)  # the driver and anything it started
         first.wait()
     written = len(read_output(out))
     assert 40 <= written < 100
