@@ -1,5 +1,6 @@
 """What bench.gpu measures besides throughput: the device's copy bandwidth, the batch-1
-decode step, and the Triton decode kernel's bandwidth."""
+decode step, and the Triton decode kernel's bandwidth, beside FlexAttention's
+(bench/flex_decode.py)."""
 
 import statistics
 import time
@@ -51,36 +52,90 @@ def batch1_step(llm: LLM, prompt: list[int], steps: int, device: str) -> dict:
     }
 
 
-def decode_kernel_bandwidth(bandwidth: float) -> dict:
-    from replica.attention.triton_decode import paged_decode
-
-    batch, ctx, heads, kv_heads, head_dim, block_size = 64, 4096, 32, 8, 64, 16
-    per_seq = ctx // block_size
+def _paged_inputs(batch: int, ctx: int, heads=32, kv_heads=8, head_dim=64, block_size=16, device="cuda"):
+    per_seq = -(-ctx // block_size)
     num_blocks = batch * per_seq
     shape = (num_blocks, kv_heads, block_size, head_dim)
-    k_cache = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
-    v_cache = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
-    tables = torch.randperm(num_blocks, device="cuda").view(batch, per_seq).to(torch.int32)
-    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-    q = torch.randn(batch, heads, head_dim, dtype=torch.bfloat16, device="cuda")
-    out = torch.empty_like(q)
+    k_cache = torch.randn(shape, dtype=torch.bfloat16, device=device)
+    v_cache = torch.randn(shape, dtype=torch.bfloat16, device=device)
+    tables = torch.randperm(num_blocks, device=device).view(batch, per_seq).to(torch.int32)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+    q = torch.randn(batch, heads, head_dim, dtype=torch.bfloat16, device=device)
+    return q, k_cache, v_cache, tables, lens
+
+
+def _cuda_seconds(call, reps: int = 50) -> float:
     for _ in range(3):
-        paged_decode(q, k_cache, v_cache, tables, lens, head_dim**-0.5, out=out)
+        call()
     torch.cuda.synchronize()
-    reps = 50
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(reps):
-        paged_decode(q, k_cache, v_cache, tables, lens, head_dim**-0.5, out=out)
+        call()
     end.record()
     torch.cuda.synchronize()
-    seconds = start.elapsed_time(end) / 1e3 / reps
-    kv_bytes = 2 * batch * ctx * kv_heads * head_dim * k_cache.element_size()
+    return start.elapsed_time(end) / 1e3 / reps
+
+
+# (batch, context): bench.gpu's batch-1 step, a long context, the cap-128 run's batch
+DECODE_SHAPES = ((1, 512), (64, 4096), (128, 640))
+
+
+def decode_kernel_bandwidth(bandwidth: float) -> dict:
+    """The Triton decode kernel at batch 64 x 4096 context, and at each of DECODE_SHAPES
+    against FlexAttention (bench/flex_decode.py, compiled) on the same cache: seconds,
+    K/V bandwidth, and how far apart their outputs are."""
+    from replica.attention.triton_decode import paged_decode
+
+    q, k_cache, v_cache, tables, lens = _paged_inputs(64, 4096)
+    out = torch.empty_like(q)
+    seconds = _cuda_seconds(lambda: paged_decode(q, k_cache, v_cache, tables, lens, 64**-0.5, out=out))
+    kv_bytes = 2 * 64 * 4096 * k_cache.shape[1] * k_cache.shape[3] * k_cache.element_size()
     return {
-        "batch": batch,
-        "context_len": ctx,
+        "batch": 64,
+        "context_len": 4096,
         "seconds": seconds,
         "kv_bytes": kv_bytes,
         "bandwidth_bytes_per_s": kv_bytes / seconds,
         "fraction_of_copy_bandwidth": kv_bytes / seconds / bandwidth,
+        "against_flex_attention": [flex_against_triton(b, c, bandwidth) for b, c in DECODE_SHAPES],
     }
+
+
+def flex_against_triton(batch: int, ctx: int, bandwidth: float) -> dict:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from bench.flex_decode import flex_paged_decode, paged_block_mask
+    from replica.attention.triton_decode import paged_decode
+
+    q, k_cache, v_cache, tables, lens = _paged_inputs(batch, ctx)
+    num_blocks, kv_heads, block_size, head_dim = k_cache.shape
+    scale = head_dim**-0.5
+    kv_bytes = 2 * batch * ctx * kv_heads * head_dim * k_cache.element_size()
+    row = {"batch": batch, "context_len": ctx}
+    triton_out = torch.empty_like(q)
+    row["triton_s"] = _cuda_seconds(
+        lambda: paged_decode(q, k_cache, v_cache, tables, lens, scale, out=triton_out)
+    )
+    row["triton_fraction_of_copy_bandwidth"] = kv_bytes / row["triton_s"] / bandwidth
+    mask = paged_block_mask(tables, lens, num_blocks, q.shape[1], kv_heads, block_size)
+    flex = torch.compile(flex_attention)
+    errors = []
+    # The library's default tiles first; then key tiles of one page, where those refuse it.
+    for options in (None, {"BLOCK_N": block_size}):
+        try:
+            flex_out = flex_paged_decode(q, k_cache, v_cache, mask, scale, flex, options)
+            row["flex_s"] = _cuda_seconds(
+                lambda o=options: flex_paged_decode(q, k_cache, v_cache, mask, scale, flex, o)
+            )
+        except Exception as e:  # a compile or shape the library refuses is a result too
+            errors.append(f"kernel_options={options}: {type(e).__name__}: {e}"[:500])
+            continue
+        row["flex_kernel_options"] = options
+        row["flex_fraction_of_copy_bandwidth"] = kv_bytes / row["flex_s"] / bandwidth
+        row["max_abs_difference"] = (flex_out.float() - triton_out.float()).abs().max().item()
+        row["faster"] = "flex_attention" if row["flex_s"] < row["triton_s"] else "triton"
+        break
+    if errors:
+        row["flex_errors"] = errors
+    return row
