@@ -107,18 +107,12 @@ def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _head_norm(
-    lo,
-    hi,
-    weight_ptr,
-    dims,
-    eps,
-    HEAD_DIM: tl.constexpr,
-    HALF: tl.constexpr,
-    HAS_NORM: tl.constexpr,
-    DTYPE: tl.constexpr,
+    lo, hi, weight_ptr, dims, eps, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr
 ):
     """A token's heads as their halves lo, hi [heads, BLOCK_HALF] float32: Qwen3's RMSNorm
-    over each head, rounded to the dtype as its module does, or lo, hi as they are."""
+    over each head, rounded to the dtype of its weight (the model's) as its module rounds,
+    or lo, hi as they are."""
+    DTYPE = weight_ptr.dtype.element_ty
     if HAS_NORM:
         inv = 1.0 / tl.sqrt((tl.sum(lo * lo, axis=1) + tl.sum(hi * hi, axis=1)) / HEAD_DIM + eps)
         w_lo = tl.load(weight_ptr + dims, mask=dims < HALF, other=0.0).to(tl.float32)
@@ -183,7 +177,7 @@ def _rope_write_kv_kernel(
     mask = (heads[:, None] < NUM_HEADS) & in_half[None, :]
     lo = tl.load(row + offsets, mask=mask, other=0.0).to(tl.float32)
     hi = tl.load(row + offsets + HALF, mask=mask, other=0.0).to(tl.float32)
-    lo, hi = _head_norm(lo, hi, q_norm_ptr, dims, eps, HEAD_DIM, HALF, HAS_NORM, dtype)
+    lo, hi = _head_norm(lo, hi, q_norm_ptr, dims, eps, HEAD_DIM, HALF, HAS_NORM)
     out = q_out_ptr + token * NUM_HEADS * HEAD_DIM + offsets
     tl.store(out, (lo * cos_lo - hi * sin_lo).to(dtype), mask=mask)
     tl.store(out + HALF, (hi * cos_hi + lo * sin_hi).to(dtype), mask=mask)
@@ -199,7 +193,7 @@ def _rope_write_kv_kernel(
         k_row = row + NUM_HEADS * HEAD_DIM
         lo = tl.load(k_row + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
         hi = tl.load(k_row + kv_offsets + HALF, mask=kv_mask, other=0.0).to(tl.float32)
-        lo, hi = _head_norm(lo, hi, k_norm_ptr, dims, eps, HEAD_DIM, HALF, HAS_NORM, dtype)
+        lo, hi = _head_norm(lo, hi, k_norm_ptr, dims, eps, HEAD_DIM, HALF, HAS_NORM)
         k_lo = (lo * cos_lo - hi * sin_lo).to(dtype)
         k_hi = (hi * cos_hi + lo * sin_hi).to(dtype)
         v_row = k_row + NUM_KV_HEADS * HEAD_DIM
