@@ -99,6 +99,44 @@ def decode_kernel_bandwidth(bandwidth: float) -> dict:
         "bandwidth_bytes_per_s": kv_bytes / seconds,
         "fraction_of_copy_bandwidth": kv_bytes / seconds / bandwidth,
         "against_flex_attention": [flex_against_triton(b, c, bandwidth) for b, c in DECODE_SHAPES],
+        "tuning_sweep": tuning_sweep(q, k_cache, v_cache, tables, lens, kv_bytes, bandwidth),
+    }
+
+
+def tuning_sweep(q, k_cache, v_cache, tables, lens, kv_bytes: int, bandwidth: float) -> dict:
+    """The decode kernel's split count and key tile at its default warps, then its warps at
+    the best of those: what its defaults (choose_num_splits, BLOCK_N, 4 warps) leave."""
+    from replica.attention.triton_decode import BLOCK_N, choose_num_splits, paged_decode
+
+    out = torch.empty_like(q)
+    scale = q.shape[-1] ** -0.5
+
+    def fraction(splits: int, block_n: int, warps: int) -> float:
+        def call():
+            paged_decode(
+                q, k_cache, v_cache, tables, lens, scale, splits, out, block_n=block_n, num_warps=warps
+            )
+
+        return kv_bytes / _cuda_seconds(call, reps=20) / bandwidth
+
+    runs = [
+        {"num_splits": s, "block_n": n, "num_warps": 4, "fraction_of_copy_bandwidth": fraction(s, n, 4)}
+        for s in (1, 2, 4, 8, 16)
+        for n in (16, 32, 64)
+    ]
+    best = max(runs, key=lambda r: r["fraction_of_copy_bandwidth"])
+    splits, block_n = best["num_splits"], best["block_n"]
+    runs += [
+        {**best, "num_warps": w, "fraction_of_copy_bandwidth": fraction(splits, block_n, w)} for w in (2, 8)
+    ]
+    max_tokens = tables.shape[1] * k_cache.shape[2]
+    default_splits = choose_num_splits(q.shape[0], k_cache.shape[1], max_tokens, q.device)
+    return {
+        "batch": q.shape[0],
+        "context_len": int(lens.max()),
+        "defaults": {"num_splits": default_splits, "block_n": BLOCK_N, "num_warps": 4},
+        "best": max(runs, key=lambda r: r["fraction_of_copy_bandwidth"]),
+        "runs": runs,
     }
 
 

@@ -182,6 +182,8 @@ def paged_decode(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,  # [B, H, D]; given, the result is written there
     kv_scale: KVScale = UNIT_SCALE,  # an fp8 cache's scales (replica/kv_quant.py)
+    block_n: int = BLOCK_N,  # keys per tile, and warps per program: bench.gpu's tuning sweep
+    num_warps: int = 4,
 ) -> torch.Tensor:
     batch, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
@@ -226,11 +228,11 @@ def paged_decode(
         BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d,
         BLOCK_SIZE=block_size,
-        BLOCK_N=BLOCK_N,
+        BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FP8_MANT=fp8_format(k_cache.dtype)[0],
-        num_warps=4,
+        num_warps=num_warps,
         num_stages=2,
     )
     if num_splits > 1:
