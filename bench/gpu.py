@@ -54,7 +54,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from bench.budget import Budget, Report, budget_spent, failed, say, skipped
-from bench.gpu_measurements import batch1_step, copy_bandwidth, decode_kernel_bandwidth
+from bench.gpu_measurements import batch1_step, copy_bandwidth, decode_candidates, decode_kernel_bandwidth
 from bench.gpu_profile import hf_static_cache_step, profile_decode_steps
 from bench.machine import machine, result_path, software_versions
 from bench.random_model import LLAMA_1B, TINY, build_model
@@ -105,30 +105,28 @@ def measure(report: Report, system: str, run, workloads: dict, warm, budget: Bud
         report.write()
 
 
-def kvserve_parts(report: Report, args, device: str, model_dir: Path, workloads, warm, budget, bandwidth):
-    """kvserve's throughput, then its batch-1 step against the memory floor."""
-    result = report.result
+def make_engine(args, device: str, model_dir: Path, gpu_decoder: str = "auto") -> LLM:
     memory = {"gpu_memory_utilization": args.gpu_memory_utilization} if device == "cuda" else {}
+    return LLM(
+        str(model_dir),
+        dtype="bfloat16",
+        device=device,
+        max_num_seqs=args.batch_size,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.prompt_len + max(args.caps),
+        enable_prefix_caching=False,
+        kv_cache_memory_gb=0.25,
+        gpu_decoder=gpu_decoder,
+        attention_backend="triton" if args.interpret_triton else "auto",
+        **memory,
+    )
 
-    backend = "triton" if args.interpret_triton else "auto"
 
-    def engine(gpu_decoder: str = "auto") -> LLM:
-        return LLM(
-            str(model_dir),
-            dtype="bfloat16",
-            device=device,
-            max_num_seqs=args.batch_size,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.prompt_len + max(args.caps),
-            enable_prefix_caching=False,
-            kv_cache_memory_gb=0.25,
-            gpu_decoder=gpu_decoder,
-            attention_backend=backend,
-            **memory,
-        )
-
+def kvserve_parts(report: Report, args, device: str, model_dir: Path, workloads, warm, budget, bandwidth):
+    """kvserve's throughput, then its batch-1 step against the memory floor, and profiles."""
+    result = report.result
     say("kvserve: starting the engine")
-    llm = report.section("engine", engine)
+    llm = report.section("engine", lambda: make_engine(args, device, model_dir))
     if llm is None:
         result["throughput"]["kvserve"] = {cap: skipped("the engine failed to start") for cap in workloads}
         result["batch1_decode"] = skipped("the engine failed to start")
@@ -158,14 +156,20 @@ def kvserve_parts(report: Report, args, device: str, model_dir: Path, workloads,
         result["batch1_decode"] = batch1
         say(f"batch-1 step: {batch1}")
     profiles(report, "profile", llm, args, device, budget)
-    llm = runner = None  # the first engine's memory goes before the second's
-    free_memory()
+
+
+def transformers_decoder_part(
+    report: Report, args, device: str, model_dir: Path, workloads, budget: Budget, bandwidth: float
+) -> None:
+    """The same engine with transformers' modules: the fused decoder's A/B, in one run."""
+    result = report.result
     if budget.left() <= 0:
         result["transformers_decoder"] = budget_spent(args.budget_s)
         return
-    # The same engine with transformers' modules: the fused decoder's A/B, in one run.
     say("kvserve: starting the engine with gpu_decoder='transformers'")
-    plain = report.section("transformers_decoder", lambda: engine("transformers"))
+    plain = report.section(
+        "transformers_decoder", lambda: make_engine(args, device, model_dir, "transformers")
+    )
     if plain is None:
         return
     result["transformers_decoder"] = {
@@ -179,8 +183,6 @@ def kvserve_parts(report: Report, args, device: str, model_dir: Path, workloads,
         result["transformers_decoder"]["batch1_decode"] = step
         say(f"batch-1 step, transformers' modules: {step}")
     profiles(report, "transformers_decoder_profile", plain, args, device, budget)
-    plain = None
-    free_memory()
 
 
 def batch1_decode(llm: LLM, args, device: str, workloads, bandwidth: float) -> dict:
@@ -221,33 +223,29 @@ def profiles(report: Report, key: str, llm: LLM, args, device: str, budget: Budg
         )
 
 
-def hf_parts(report: Report, args, device: str, model_dir: Path, workloads, warm, budget, vocab: int) -> None:
-    systems = [s for s in ("hf_static", "hf_generate_batch") if s in args.systems]
+def hf_static_cache_part(report: Report, args, device: str, model_dir: Path, budget, vocab: int) -> None:
+    """The single-stream peer: HF generate at batch 1 with a static cache, compiled."""
+    if budget.left() <= 0:
+        report.result["hf_static_cache_batch1"] = budget_spent(args.budget_s)
+        return
+    say("HF generate, static cache, batch 1")
+    new_tokens = 16 if args.smoke else 128
+    step = report.section(
+        "hf_static_cache_batch1",
+        lambda: hf_static_cache_step(model_dir, device, args.prompt_len, new_tokens, vocab, args.seed),
+    )
+    if step is not None:
+        report.result["hf_static_cache_batch1"] = {"status": "ran", **step}
+        say(f"HF static cache, batch 1: {step}")
 
-    def out_of_budget() -> bool:
-        if budget.left() > 0:
-            return False
+
+def hf_parts(report: Report, args, device: str, model_dir: Path, workloads, warm, budget) -> None:
+    systems = [s for s in ("hf_static", "hf_generate_batch") if s in args.systems]
+    if budget.left() <= 0:
         report.result["hf_model"] = budget_spent(args.budget_s)
         for system in systems:
             report.result["throughput"][system] = {cap: budget_spent(args.budget_s) for cap in workloads}
-        return True
-
-    if out_of_budget():
         return
-    # First, as the single-stream bar compares with it: batch 1, static cache, compiled.
-    if "hf_static" in systems:
-        say("HF generate, static cache, batch 1")
-        new_tokens = 16 if args.smoke else 128
-        step = report.section(
-            "hf_static_cache_batch1",
-            lambda: hf_static_cache_step(model_dir, device, args.prompt_len, new_tokens, vocab, args.seed),
-        )
-        if step is not None:
-            report.result["hf_static_cache_batch1"] = {"status": "ran", **step}
-            say(f"HF static cache, batch 1: {step}")
-        free_memory()
-        if out_of_budget():
-            return
     say("HF model: loading")
     hf = report.section(
         "hf_model",
@@ -380,6 +378,7 @@ def main() -> int:
         cuda_graphs=skipped("CPU run: no CUDA graphs"),
         batch1_decode=skipped(f"kvserve {not_run}"),
         profile=skipped(f"kvserve {not_run}"),
+        decode_candidates=skipped("needs a CUDA GPU"),
         transformers_decoder=skipped(f"kvserve {not_run}"),
         hf_model=skipped("no HF system in --systems"),
         hf_static_cache_batch1=skipped("no HF system in --systems"),
@@ -398,18 +397,32 @@ def main() -> int:
     warm = warm_up_workload(args.prompt_len, vocab, args.seed)
     result["throughput"].update({s: {} for s in args.systems})
 
+    # The parts the issues' bars read first; within --budget-s, later ones may be skipped.
     if "kvserve" in args.systems:
         kvserve_parts(report, args, device, model_dir, workloads, warm, budget, bandwidth)
         free_memory()
-    if device != "cuda":
-        result["decode_kernel"] = skipped("needs a CUDA GPU")
-    elif not result["versions"]["triton"]:
-        result["decode_kernel"] = skipped("triton is not installed")
+    kernels = device == "cuda" and result["versions"]["triton"]
+    why_not = "needs a CUDA GPU" if device != "cuda" else "triton is not installed"
+    if not kernels:
+        result["decode_kernel"] = skipped(why_not)
     elif (kernel := report.section("decode_kernel", lambda: decode_kernel_bandwidth(bandwidth))) is not None:
         result["decode_kernel"] = {"status": "ran", **kernel}
         say(f"decode kernel: {kernel}")
+    if "hf_static" in args.systems:
+        hf_static_cache_part(report, args, device, model_dir, budget, vocab)
+        free_memory()
+    if "kvserve" in args.systems:
+        transformers_decoder_part(report, args, device, model_dir, workloads, budget, bandwidth)
+        free_memory()
+    if not kernels:
+        result["decode_candidates"] = skipped(why_not)
+    elif budget.left() <= 0:
+        result["decode_candidates"] = budget_spent(args.budget_s)
+    elif (found := report.section("decode_candidates", lambda: decode_candidates(bandwidth))) is not None:
+        result["decode_candidates"] = {"status": "ran", **found}
+        say(f"decode candidates: {found}")
     if {"hf_static", "hf_generate_batch"} & set(args.systems):
-        hf_parts(report, args, device, model_dir, workloads, warm, budget, vocab)
+        hf_parts(report, args, device, model_dir, workloads, warm, budget)
         free_memory()
 
     result["targets"] = targets(result)

@@ -82,9 +82,7 @@ DECODE_SHAPES = ((1, 512), (64, 4096), (128, 640))
 
 
 def decode_kernel_bandwidth(bandwidth: float) -> dict:
-    """The Triton decode kernel at batch 64 x 4096 context, and at each of DECODE_SHAPES
-    against FlexAttention (bench/flex_decode.py, compiled) on the same cache: seconds,
-    K/V bandwidth, and how far apart their outputs are."""
+    """The Triton decode kernel at batch 64 x 4096 context: seconds and K/V bandwidth."""
     from replica.attention.triton_decode import paged_decode
 
     q, k_cache, v_cache, tables, lens = _paged_inputs(64, 4096)
@@ -98,6 +96,16 @@ def decode_kernel_bandwidth(bandwidth: float) -> dict:
         "kv_bytes": kv_bytes,
         "bandwidth_bytes_per_s": kv_bytes / seconds,
         "fraction_of_copy_bandwidth": kv_bytes / seconds / bandwidth,
+    }
+
+
+def decode_candidates(bandwidth: float) -> dict:
+    """The Triton decode kernel against FlexAttention (bench/flex_decode.py, compiled) on
+    the same cache at each of DECODE_SHAPES: seconds, K/V bandwidth, how far apart their
+    outputs are; then the Triton kernel's tuning sweep at 64 x 4096."""
+    q, k_cache, v_cache, tables, lens = _paged_inputs(64, 4096)
+    kv_bytes = 2 * 64 * 4096 * k_cache.shape[1] * k_cache.shape[3] * k_cache.element_size()
+    return {
         "against_flex_attention": [flex_against_triton(b, c, bandwidth) for b, c in DECODE_SHAPES],
         "tuning_sweep": tuning_sweep(q, k_cache, v_cache, tables, lens, kv_bytes, bandwidth),
     }
