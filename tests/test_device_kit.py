@@ -224,7 +224,7 @@ def test_the_kits_gpu_tests_run_where_ray_cannot_be_imported(tmp_path):
     blocked.mkdir(parents=True)
     (blocked / "__init__.py").write_text("raise ImportError('no Ray on the GPU machine')\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(blocked.parent), str(ROOT)])}
-    test = "tests/test_gpu_path.py::test_padded_decode_matches_eager_on_cpu"
+    test = "tests/test_flex_decode.py"
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", test],
         cwd=ROOT,

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from replica.attention.triton_write import fp8_format, kernel_view, quantize_fp8
+from replica.attention.triton_write import fp8_format, kernel_view, quantize_fp8, write_kv_triton
 from replica.kv_quant import FP8_MAX, UNIT_SCALE, KVScale
 
 
@@ -250,12 +250,11 @@ def rope_write_kv(
     return q
 
 
-def rope_write_kv_reference(
-    qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, kv_scale=UNIT_SCALE, norms=None
-) -> torch.Tensor:
-    """transformers' rotary (apply_rotary_pos_emb) and the Triton backend's cache write."""
-    from replica.attention.triton_write import write_kv_triton
-
+def rotary_reference(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int, norms=None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """transformers' rotary (apply_rotary_pos_emb) on the packed q and k, after Qwen3's
+    per-head norms: q, k, v [T, heads, D]."""
     num_tokens, head_dim = qkv.shape[0], cos.shape[-1]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     q = qkv[:, :q_size].view(num_tokens, num_heads, head_dim)
@@ -270,6 +269,15 @@ def rope_write_kv_reference(
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos[:, None] + rotated * sin[:, None]
 
-    q, k = rotate(q), rotate(k)
+    return rotate(q), rotate(k), v
+
+
+def rope_write_kv_reference(
+    qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, kv_scale=UNIT_SCALE, norms=None,
+    rotary=rotary_reference,
+) -> torch.Tensor:  # fmt: skip
+    """rotary_reference (or `rotary`: the same, compiled), then the Triton backend's cache
+    write, whose kernel stays out of any compiled region."""
+    q, k, v = rotary(qkv, cos, sin, num_heads, num_kv_heads, norms)
     write_kv_triton(k_cache, v_cache, k, v, slot_mapping, kv_scale)
     return q.contiguous()

@@ -1,12 +1,16 @@
 """Which implementation of each fused element-wise op runs on this GPU, per row count, by
-measurement at load: the Triton kernel (fused_ops.py, one launch) or its torch reference
-(transformers' ops, several launches), as the CPU's linears are chosen
-(replica/cpu/kernel_choice.py: the same buckets, the same `fastest`, Triton the default
-that torch must beat by the margin). Each is timed with CUDA events on the model's own
-shapes, alone; the timings go to the log. Where nothing is timed (a CPU, the tests under
-the Triton interpreter), the Triton kernels run.
+measurement at load: kvserve's Triton kernel (fused_ops.py, one launch), its torch
+reference (transformers' ops, several launches), or that reference compiled by
+torch.compile (inductor fuses it into kernels of its own: the library's candidate, as vLLM
+compiles its decoder), as the CPU's linears are chosen (replica/cpu/kernel_choice.py: the
+same buckets, the same `fastest`, Triton the default that another must beat by the
+margin). Each is timed with CUDA events on the model's own shapes, alone; one that fails
+(a compile error) counts as never faster. The choice goes to the log. Where nothing is
+timed (a CPU, the tests under the Triton interpreter), the Triton kernels run.
 """
 
+import logging
+import math
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,11 +21,40 @@ import torch
 from replica.cpu.kernel_choice import LinearChoice, buckets_up_to, fastest
 from replica.gpu import fused_ops
 
-TRITON, TORCH = "triton", "torch"
+logger = logging.getLogger(__name__)
+
+
+def compiled(reference: Callable) -> Callable:
+    """`reference` under torch.compile, compiled at its first call (dynamic row counts)."""
+    fn = None
+
+    def run(*args, **kwargs):
+        nonlocal fn
+        if fn is None:
+            fn = torch.compile(reference, dynamic=True)
+        return fn(*args, **kwargs)
+
+    return run
+
+
+TRITON, TORCH, COMPILED = "triton", "torch", "torch.compile"
 IMPLEMENTATIONS = {
-    "add_rms_norm": {TRITON: fused_ops.add_rms_norm, TORCH: fused_ops.add_rms_norm_reference},
-    "silu_mul": {TRITON: fused_ops.silu_mul, TORCH: fused_ops.silu_mul_reference},
-    "rope_write_kv": {TRITON: fused_ops.rope_write_kv, TORCH: fused_ops.rope_write_kv_reference},
+    "add_rms_norm": {
+        TRITON: fused_ops.add_rms_norm,
+        TORCH: fused_ops.add_rms_norm_reference,
+        COMPILED: compiled(fused_ops.add_rms_norm_reference),
+    },
+    "silu_mul": {
+        TRITON: fused_ops.silu_mul,
+        TORCH: fused_ops.silu_mul_reference,
+        COMPILED: compiled(fused_ops.silu_mul_reference),
+    },
+    "rope_write_kv": {
+        TRITON: fused_ops.rope_write_kv,
+        TORCH: fused_ops.rope_write_kv_reference,
+        # rotary compiled; the cache write's own Triton kernel beside it
+        COMPILED: partial(fused_ops.rope_write_kv_reference, rotary=compiled(fused_ops.rotary_reference)),
+    },
 }
 ROUNDS, CALLS = 5, 20
 
@@ -74,7 +107,7 @@ Timings = dict[str, dict[str, list[float]]]  # op -> implementation -> seconds a
 
 def time_ops(shapes: OpShapes, buckets: tuple[int, ...], device: torch.device) -> Timings:
     s = shapes
-    out: Timings = {op: {TRITON: [], TORCH: []} for op in IMPLEMENTATIONS}
+    out: Timings = {op: {name: [] for name in impls} for op, impls in IMPLEMENTATIONS.items()}
     weight = torch.ones(s.hidden, dtype=s.dtype, device=device)
     head_weight = torch.ones(s.head_dim, dtype=s.dtype, device=device)
     norms = (head_weight, head_weight, 1e-6) if s.head_norms else None
@@ -89,7 +122,7 @@ def time_ops(shapes: OpShapes, buckets: tuple[int, ...], device: torch.device) -
         qkv = torch.randn(rows, (s.num_heads + 2 * s.num_kv_heads) * s.head_dim, dtype=s.dtype, device=device)
         cos = torch.randn(rows, s.head_dim, dtype=s.dtype, device=device)
         slots = torch.arange(rows, device=device)
-        for name in (TRITON, TORCH):
+        for name in (TRITON, TORCH, COMPILED):
             impl = {op: impls[name] for op, impls in IMPLEMENTATIONS.items()}
             calls = {
                 "add_rms_norm": partial(impl["add_rms_norm"], x, weight, 1e-6, residual),
@@ -108,7 +141,11 @@ def time_ops(shapes: OpShapes, buckets: tuple[int, ...], device: torch.device) -
                 ),  # fmt: skip
             }
             for op, call in calls.items():
-                out[op][name].append(_seconds(call))
+                try:
+                    out[op][name].append(_seconds(call))
+                except Exception as e:  # never chosen; the others still are
+                    logger.warning("%s's %s candidate failed at %d rows: %s", op, name, rows, e)
+                    out[op][name].append(math.inf)
     return out
 
 
