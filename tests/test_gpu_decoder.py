@@ -1,10 +1,10 @@
-"""The fused GPU decoder (replica/gpu/decoder.py) on a GPU, or on CPU through the same code
-with its Triton kernels under TRITON_INTERPRET=1: the kernels against their torch
-references, the whole
-engine's greedy output against HF `generate` in float32 (Llama, Qwen2's biases, Qwen3's
-per-head norms), the fused decoder against transformers' modules in bfloat16, and the
-number of operations a decode step launches per layer, bounded, so that a change that
-unfuses something fails here without a GPU."""
+"""The fused GPU decoder (replica/gpu/) on a GPU, or on CPU through the same code with its
+Triton kernels under TRITON_INTERPRET=1: the kernels against their torch references, the
+references compiled against themselves, the whole engine's greedy output against HF
+`generate` in float32 (Llama, Qwen2's biases, Qwen3's per-head norms), the fused decoder
+against transformers' modules in bfloat16, and the number of operations a decode step
+launches per layer, bounded, so that a change that unfuses something fails here without a
+GPU."""
 
 import contextlib
 import importlib.util
