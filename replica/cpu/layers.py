@@ -21,6 +21,14 @@ from replica.cpu.group_quant import GroupQuantWeight
 from replica.cpu.kernel_choice import KernelChooser, LinearChoice, LinearShape
 
 
+def concat_bias(linears: list[nn.Linear]) -> torch.Tensor | None:
+    """The bias of the linears' outputs side by side (zeros for one without a bias), or None
+    where none has one."""
+    if all(m.bias is None for m in linears):
+        return None
+    return torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears])
+
+
 class PackedLinear(nn.Module):
     """y = x W^T + b with W laid out once for each kernel `choice` runs; a drop-in for
     nn.Linear. A gated one (PackedLinear.gated) gives a SiLU MLP's silu(x Wg^T) * (x Wu^T)."""
@@ -91,12 +99,7 @@ class PackedLinear(nn.Module):
                     for m in linears
                 ]
             )
-        bias = None
-        if any(m.bias is not None for m in linears):
-            bias = torch.cat(
-                [m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears]
-            )
-        return cls(weight, bias, choice, gated=gated, scale=scale)
+        return cls(weight, concat_bias(linears), choice, gated=gated, scale=scale)
 
     @classmethod
     def gated(cls, gate: nn.Linear, up: nn.Linear, chooser: KernelChooser) -> "PackedLinear":

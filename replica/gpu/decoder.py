@@ -18,6 +18,7 @@ from torch import nn
 from replica.attention.context import get_forward_context
 from replica.attention.triton_backend import attend
 from replica.cpu.decoder import FusedDecoder
+from replica.cpu.layers import concat_bias
 from replica.gpu.op_choice import OpChoices, OpShapes, choose_ops
 
 logger = logging.getLogger(__name__)
@@ -25,20 +26,15 @@ logger = logging.getLogger(__name__)
 
 def _packed(linears: list[nn.Linear]) -> nn.Linear:
     """One linear whose outputs are the given ones' side by side (same input)."""
-    first = linears[0]
-    bias = any(m.bias is not None for m in linears)
+    first, bias = linears[0], concat_bias(linears)
     packed = nn.Linear(
-        first.in_features, sum(m.out_features for m in linears), bias=bias,
+        first.in_features, sum(m.out_features for m in linears), bias=bias is not None,
         device=first.weight.device, dtype=first.weight.dtype,
     )  # fmt: skip
     with torch.no_grad():
         packed.weight.copy_(torch.cat([m.weight for m in linears]))
-        if bias:
-            packed.bias.copy_(
-                torch.cat(
-                    [m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears]
-                )
-            )
+        if bias is not None:
+            packed.bias.copy_(bias)
     if all(hasattr(m, "weight_scale") for m in linears):  # a pre-quantized checkpoint's rows
         packed.weight_scale = torch.cat([m.weight_scale for m in linears])
     return packed
@@ -122,9 +118,9 @@ class GPUFusedDecoder(FusedDecoder):
         self.native = None
 
     def choose_ops(self, block_size: int, max_rows: int) -> dict:
-        """Time each element-wise op's Triton kernel against its torch reference on this
-        GPU, on this model's shapes, and run the faster per row count (op_choice.py).
-        Returns the timings."""
+        """Time each element-wise op's candidates (Triton kernel, torch reference, compiled
+        reference) on this GPU, on this model's shapes, and run the fastest per row count
+        (op_choice.py). Returns the timings."""
         attn = self.attentions[0]
         shapes = OpShapes(
             hidden=self.norm.weight.shape[0],
