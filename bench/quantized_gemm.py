@@ -1,4 +1,4 @@
-"""8-bit weights against the model's dtype, side by side in one run:
+"""8-bit and 4-bit weights against the model's dtype, side by side in one run:
 
 a. GEMMs: every distinct linear of the model at several row counts, dense (F.linear in
    each dense dtype) against replica/quantized_linear.py's int8 (torch._int_mm) and fp8
@@ -6,8 +6,9 @@ a. GEMMs: every distinct linear of the model at several row counts, dense (F.lin
    stored in e4m3, widened to the activations' dtype at each call), each timed in turns,
    median of --reps.
 b. On CUDA only, the engine: kvserve on bench.gpu's Anyscale workload (one cap, a
-   subset of requests) and its batch-1 decode step, with quantization None, "int8" and
-   "fp8", one engine at a time.
+   subset of requests) and its batch-1 decode step, with quantization None, the same
+   model as a 4-bit GPTQ checkpoint (replica/gpu/group_linear.py, whose candidates'
+   timings it records), "int8" and "fp8", one engine at a time.
 
 On a CPU, part (a) is what `quantization="fp8"` is refused on: no fp8 path there beats
 the dense dtype (kvserve's CPU int8 kernels are measured by bench.quantization).
@@ -31,6 +32,7 @@ from torch import nn
 from bench.budget import Budget, Report, budget_spent, failed, say, skipped
 from bench.gpu_measurements import batch1_step
 from bench.machine import machine, result_path, software_versions
+from bench.packed_checkpoint import save_packed
 from bench.random_model import LLAMA_1B, TINY, build_model
 from bench.runners import free_memory, run_kvserve, sync
 from bench.workloads import make_workload, warm_up_workload
@@ -112,6 +114,18 @@ def gemm_part(shapes: dict, rows: list[int], dense_dtypes: list[torch.dtype], de
     return out
 
 
+def gptq_checkpoint(model_dir: Path) -> Path:
+    """The random model's projections as a symmetric 4-bit GPTQ checkpoint (groups of
+    128), beside it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = model_dir.with_name(model_dir.name + "-gptq")
+    if not (out / "config.json").exists():
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+        save_packed(model, "gptq", out, AutoTokenizer.from_pretrained(model_dir), symmetric=True)
+    return out
+
+
 def engine_part(report: Report, args, model_dir: Path, budget: Budget) -> None:
     cap = args.cap
     prompts, lengths = make_workload(
@@ -119,7 +133,8 @@ def engine_part(report: Report, args, model_dir: Path, budget: Budget) -> None:
     )
     warm = warm_up_workload(args.prompt_len, LLAMA_1B["vocab_size"], 0)
     engines = report.result["engines"]
-    for quantization in (None, "int8", "fp8"):
+    # the 4-bit engine second: issue 57 reads its batch-1 step against bf16's
+    for quantization in (None, "gptq", "int8", "fp8"):
         label = quantization or "bfloat16"
         if budget.left() <= 0:
             engines[label] = budget_spent(args.budget_s)
@@ -129,8 +144,11 @@ def engine_part(report: Report, args, model_dir: Path, budget: Budget) -> None:
             continue
 
         def run(quantization=quantization):
+            path = model_dir
+            if quantization == "gptq":  # the checkpoint says so; the engine detects it
+                path, quantization = gptq_checkpoint(model_dir), None
             llm = LLM(
-                str(model_dir), dtype="bfloat16", device="cuda", quantization=quantization,
+                str(path), dtype="bfloat16", device="cuda", quantization=quantization,
                 max_num_seqs=256, max_num_batched_tokens=4096, max_model_len=args.prompt_len + cap,
                 enable_prefix_caching=False, gpu_memory_utilization=0.85,
             )  # fmt: skip
@@ -145,6 +163,7 @@ def engine_part(report: Report, args, model_dir: Path, budget: Budget) -> None:
                 "num_kv_blocks": runner.num_blocks,
                 "throughput": {**asdict(timed), "tokens_per_s": timed.output_tokens / timed.seconds},
                 "batch1_decode": step,
+                "group_kernels": runner.group_timings,  # the 4-bit linears' candidates, timed
             }
             del llm, runner
             free_memory()

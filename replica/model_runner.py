@@ -62,6 +62,7 @@ from replica.lora.weights import AdapterWeights
 from replica.model_loader import ModelNotFoundError, gguf_source
 from replica.parallel.group import TPGroup
 from replica.parallel.sharding import num_kv_heads, shard_model
+from replica.quantized_linear import KINDS as QUANTIZED_LINEAR_KINDS
 from replica.quantized_linear import fp8_supported, quantize_linears
 from replica.weights_summary import WeightsSummary
 
@@ -91,13 +92,17 @@ def check_quantization(
 ) -> None:
     """Where each quantization runs: int8 on CPUs through kvserve's CPU kernels (float32 or
     bfloat16), int8 and fp8 on GPUs (replica/quantized_linear.py; fp8 on sm_89 and newer),
-    a GGUF file's own blocks and 4-bit checkpoints' integers on CPUs."""
-    if quantization in GROUP_QUANTIZATIONS and (device.type == "cuda" or group is not None):
-        where = "GPUs" if device.type == "cuda" else "tensor parallelism"
-        raise ValueError(
-            f"quantization={quantization!r} does not yet run with {where}: it runs on CPU with "
-            "kvserve's CPU kernels in float32 or bfloat16"
-        )
+    a GGUF file's own blocks and 4-bit checkpoints' integers on CPUs and, on one rank, on
+    GPUs (replica/gpu/group_linear.py, which the triton backend also runs on a CPU under
+    the Triton interpreter)."""
+    if quantization in GROUP_QUANTIZATIONS:
+        if group is not None:
+            raise ValueError(
+                f"quantization={quantization!r} does not yet run with tensor parallelism: it runs "
+                "on one rank, on a GPU or on CPU with kvserve's CPU kernels in float32 or bfloat16"
+            )
+        if device.type == "cuda" or backend == "triton":
+            return
     if device.type == "cuda":
         if group is not None:
             raise ValueError(
@@ -219,6 +224,9 @@ class ModelRunner:
             shard = shard_model(self.model, group)
             q_heads, kv_heads = shard.num_q, shard.num_kv
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        # A group-quantized model on the CPU kernels keeps `group_weight` on its linears
+        # for optimize_for_cpu; elsewhere its linears become GroupLinears.
+        group_quantized = quantization in GROUP_QUANTIZATIONS and name != CPU_KERNELS
         fused = None
         if name == "triton" and group is None and config.gpu_decoder != "transformers":
             from replica.gpu.decoder import fuse_for_gpu  # imports triton, which only this backend needs
@@ -231,11 +239,23 @@ class ModelRunner:
                 + (" and tensor parallelism" if group is not None else "")
                 + ", and the log says why the model stayed transformers'"
             )
+        if group_quantized:
+            from replica.gpu import group_linear  # imports triton, which only this path needs
+
+            count = group_linear.group_linears(self.model)
+            logger.info("%d linears in their group-quantized integers", count)
         self.model.to(self.device).eval()
+        if group_quantized:
+            group_linear.move_embeddings(self.model, self.device)
         self.op_timings = None  # the fused GPU decoder's, where it measured them
         if fused is not None and self.device.type == "cuda":
             self.op_timings = fused.choose_ops(self.block_size, config.max_num_batched_tokens)
-        if quantization and self.device.type == "cuda":
+        self.group_timings = None  # group_linear.choose_group_kernels', where it measured them
+        if group_quantized and self.device.type == "cuda":
+            self.group_timings = group_linear.choose_group_kernels(
+                self.model, config.max_num_batched_tokens, self.dtype
+            )
+        if quantization in QUANTIZED_LINEAR_KINDS and self.device.type == "cuda":
             quantize_linears(self.model, quantization)
         if name == CPU_KERNELS:
             chooser = KernelChooser(

@@ -12,11 +12,12 @@
 #   3. check that the engine, the offline API and bench.gpu import without Ray;
 #   4. the GPU tests (tests/test_gpu_path.py, tests/test_quantized_linear.py,
 #      tests/test_triton_attention.py, tests/test_lora_kernels.py, tests/test_gpu_decoder.py,
-#      tests/test_flex_decode.py): past their budget the rest are skipped, not started
-#      (tests/conftest.py), so the log and the JUnit XML name what ran;
+#      tests/test_flex_decode.py, tests/test_gpu_group_linear.py): past their budget the
+#      rest are skipped, not started (tests/conftest.py), so the log and the JUnit XML name
+#      what ran;
 #   5. python -m bench.gpu, which keeps its own budget and writes its JSON after every part;
-#   6. python -m bench.quantized_gemm: int8 and fp8 weights against bf16 (GEMMs, then the
-#      engine), likewise.
+#   6. python -m bench.quantized_gemm: 4-bit (GPTQ), int8 and fp8 weights against bf16
+#      (GEMMs, then the engine), likewise.
 # On an H200 steps 1-5 took 6 minutes; step 6 is held to 2.5 more.
 #
 # Output, under $OUT when set (the device tool sets it), else ${TMPDIR:-/tmp}/kvserve-device-check
@@ -187,7 +188,8 @@ gpu_tests() {
   "$PYTHON" -m pytest -p no:cacheprovider -q -rs --junitxml="$OUT/pytest_gpu_path.xml" \
     tests/test_gpu_path.py tests/test_quantized_linear.py || rc=$?
   "$PYTHON" -m pytest -p no:cacheprovider -q -rs --junitxml="$OUT/pytest_triton.xml" "${parallel[@]}" \
-    tests/test_triton_attention.py tests/test_lora_kernels.py tests/test_gpu_decoder.py tests/test_flex_decode.py || rc=$?
+    tests/test_triton_attention.py tests/test_lora_kernels.py tests/test_gpu_decoder.py tests/test_flex_decode.py \
+    tests/test_gpu_group_linear.py || rc=$?
   return "$rc"
 }
 export OUT KVSERVE_TESTS_DEADLINE=$(($(date +%s) + TESTS_BUDGET_S))

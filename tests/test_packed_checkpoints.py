@@ -1,6 +1,6 @@
 """4-bit checkpoints (replica/packed_checkpoints.py), made here from a small random model:
-GPTQ and AWQ written as AutoGPTQ's and AutoAWQ's packers lay them out, compressed-tensors'
-W4A16 by the compressed-tensors package itself. Each loads in 4 bits, its weights equal
+GPTQ and AWQ written as AutoGPTQ's and AutoAWQ's packers lay them out (bench/packed_checkpoint.py),
+compressed-tensors' W4A16 by the compressed-tensors package itself. Each loads in 4 bits, its weights equal
 its format's dequantization (exactly where the zero is a power of two; within the fp16
 rounding of -scale * zero otherwise), and the engine's greedy tokens equal HF `generate`
 on the weights it loaded."""
@@ -14,8 +14,8 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from bench.compressed_checkpoint import save_compressed
+from bench.packed_checkpoint import PROJECTIONS, save_packed
 from kvserve import LLM, SamplingParams
-from replica import packed_checkpoints
 from replica.cpu import group_quant, linear_kernels
 from replica.cpu.group_quant import GroupQuantWeight
 from replica.model_loader import ModelNotFoundError
@@ -28,32 +28,6 @@ CONFIG = LlamaConfig(
     num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
 )  # fmt: skip
 GROUP = 128
-PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")  # fmt: skip
-
-
-def _quantize(w: torch.Tensor, symmetric: bool):
-    """w [n, k] -> (q [n, k] 0..15, fp16 scales [n, k / GROUP], zeros [n, k / GROUP] 0..15)."""
-    groups = w.view(w.shape[0], -1, GROUP)
-    if symmetric:
-        scales = (groups.abs().amax(dim=2) / 7).half()
-        zeros = torch.full_like(scales, 8, dtype=torch.int32)
-    else:
-        low, high = groups.amin(dim=2), groups.amax(dim=2)
-        scales = ((high - low) / 15).half()
-        zeros = (-low / scales.float()).round().clamp(0, 15).to(torch.int32)
-    q = (groups / scales.float()[..., None]).round() + zeros[..., None]
-    return q.clamp(0, 15).to(torch.int32).view_as(w), scales, zeros
-
-
-def _pack(values: torch.Tensor, order=tuple(range(8))) -> torch.Tensor:
-    """[rows, cols] nibbles -> int32 [rows, cols / 8]: word c's nibble i holds column
-    8c + order[i] (the packers shift each into place and OR them)."""
-    rows, cols = values.shape
-    words = torch.zeros(rows, cols // 8, dtype=torch.int64)
-    for i, column in enumerate(order):
-        words |= values[:, column::8].to(torch.int64) << (4 * i)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # the same 32 bits, signed
 
 
 def _write(method: str, directory, tokenizer, symmetric: bool) -> dict:
@@ -61,36 +35,7 @@ def _write(method: str, directory, tokenizer, symmetric: bool) -> dict:
     dequantization (fp32 [n, k]) by module name."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(CONFIG).eval()
-    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
-    reference = {}
-    for layer in range(CONFIG.num_hidden_layers):
-        for projection in PROJECTIONS:
-            name = f"model.layers.{layer}.{projection}"
-            q, scales, zeros = _quantize(state.pop(f"{name}.weight"), symmetric)
-            expand = lambda t: t.float().repeat_interleave(GROUP, 1)  # noqa: E731
-            reference[name] = (q.float() - expand(zeros)) * expand(scales)
-            if method == "gptq":  # down k in the weight, across n in the zeros, zero - 1 stored
-                state[f"{name}.qweight"] = _pack(q).t().contiguous()  # word (r, j): q[j, 8r..8r+7]
-                state[f"{name}.qzeros"] = _pack((zeros - 1).t().contiguous())
-                state[f"{name}.scales"] = scales.t().contiguous()
-                state[f"{name}.g_idx"] = torch.arange(q.shape[1], dtype=torch.int32) // GROUP
-            else:  # awq: across n, in AWQ's nibble order
-                state[f"{name}.qweight"] = _pack(q.t().contiguous(), packed_checkpoints.AWQ_ORDER)
-                state[f"{name}.qzeros"] = _pack(zeros.t().contiguous(), packed_checkpoints.AWQ_ORDER)
-                state[f"{name}.scales"] = scales.t().contiguous()
-    directory.mkdir(parents=True)
-    save_file(state, str(directory / "model.safetensors"))
-    model.config.save_pretrained(directory)
-    config = json.loads((directory / "config.json").read_text())
-    config["quantization_config"] = (
-        {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False, "sym": symmetric,
-         "checkpoint_format": "gptq"}
-        if method == "gptq"
-        else {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"}
-    )  # fmt: skip
-    (directory / "config.json").write_text(json.dumps(config))
-    tokenizer.save_pretrained(directory)
-    return reference
+    return save_packed(model, method, directory, tokenizer, symmetric, GROUP)
 
 
 def _compressed(directory, tokenizer, symmetric: bool) -> dict:

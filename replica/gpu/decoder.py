@@ -18,6 +18,7 @@ from torch import nn
 from replica.attention.context import get_forward_context
 from replica.attention.triton_backend import attend
 from replica.cpu.decoder import FusedDecoder
+from replica.cpu.group_quant import GroupQuantWeight
 from replica.cpu.layers import concat_bias
 from replica.gpu.op_choice import OpChoices, OpShapes, choose_ops
 
@@ -37,6 +38,8 @@ def _packed(linears: list[nn.Linear]) -> nn.Linear:
             packed.bias.copy_(bias)
     if all(hasattr(m, "weight_scale") for m in linears):  # a pre-quantized checkpoint's rows
         packed.weight_scale = torch.cat([m.weight_scale for m in linears])
+    if all(hasattr(m, "group_weight") for m in linears):  # group_linear.py runs their integers
+        packed.group_weight = GroupQuantWeight.concat([m.group_weight for m in linears])
     return packed
 
 
@@ -141,8 +144,8 @@ class GPUFusedDecoder(FusedDecoder):
 def fuse_for_gpu(model: nn.Module) -> GPUFusedDecoder | None:
     """Swap a GPUFusedDecoder into `model` in place of a Llama-family decoder (dropping
     transformers' layers and their unpacked weights) and return it; None where the model is
-    not one, or where a pre-quantized checkpoint scales some projections of a packed GEMM
-    but not the others."""
+    not one, or where a pre-quantized checkpoint or a GGUF file quantizes some projections
+    of a packed GEMM but not the others."""
     decoder, prefix = model.get_decoder(), model.base_model_prefix
     if not FusedDecoder.supports(decoder) or getattr(model, prefix, None) is not decoder:
         logger.info(
@@ -152,9 +155,12 @@ def fuse_for_gpu(model: nn.Module) -> GPUFusedDecoder | None:
     for layer in decoder.layers:
         groups = ([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj],
                   [layer.mlp.gate_proj, layer.mlp.up_proj])  # fmt: skip
-        if any(len({hasattr(m, "weight_scale") for m in group}) > 1 for group in groups):
-            logger.info("the GPU decoder stays transformers': the checkpoint scales only some projections")
-            return None
+        for attribute in ("weight_scale", "group_weight"):
+            if any(len({hasattr(m, attribute) for m in group}) > 1 for group in groups):
+                logger.info(
+                    "the GPU decoder stays transformers': the checkpoint quantizes only some projections"
+                )
+                return None
     fused = GPUFusedDecoder(decoder)
     setattr(model, prefix, fused)
     return fused
