@@ -37,7 +37,7 @@ def pack_nibbles(values: torch.Tensor, order=tuple(range(8))) -> torch.Tensor:
     """[rows, cols] nibbles -> int32 [rows, cols / 8]: word c's nibble i holds column
     8c + order[i] (the packers shift each into place and OR them)."""
     rows, cols = values.shape
-    words = torch.zeros(rows, cols // 8, dtype=torch.int64)
+    words = torch.zeros(rows, cols // 8, dtype=torch.int64, device=values.device)
     for i, column in enumerate(order):
         words |= values[:, column::8].to(torch.int64) << (4 * i)
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # the same 32 bits, signed
@@ -46,8 +46,8 @@ def pack_nibbles(values: torch.Tensor, order=tuple(range(8))) -> torch.Tensor:
 def save_packed(model, method: str, directory: Path, tokenizer, symmetric: bool, group: int = 128) -> dict:
     """`model`'s decoder projections as a `method` ("gptq" or "awq") checkpoint in
     `directory` (the rest of its weights as they are, a tied lm_head left to its
-    embeddings); returns each projection's format dequantization (fp32 [n, k]) by module
-    name."""
+    embeddings), computed on the model's device; returns each projection's format
+    dequantization (fp32 [n, k]) by module name."""
     from safetensors.torch import save_file
 
     tied = model.config.tie_word_embeddings
@@ -70,7 +70,7 @@ def save_packed(model, method: str, directory: Path, tokenizer, symmetric: bool,
                 state[f"{name}.qzeros"] = pack_nibbles(zeros.t().contiguous(), order)
                 state[f"{name}.scales"] = scales.t().contiguous()
     directory.mkdir(parents=True)
-    save_file(state, str(directory / "model.safetensors"))
+    save_file({k: v.cpu().contiguous() for k, v in state.items()}, str(directory / "model.safetensors"))
     model.config.save_pretrained(directory)
     config = json.loads((directory / "config.json").read_text())
     config["quantization_config"] = (

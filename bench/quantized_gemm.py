@@ -116,13 +116,15 @@ def gemm_part(shapes: dict, rows: list[int], dense_dtypes: list[torch.dtype], de
 
 def gptq_checkpoint(model_dir: Path) -> Path:
     """The random model's projections as a symmetric 4-bit GPTQ checkpoint (groups of
-    128), beside it."""
+    128), beside it, quantized on the GPU."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = model_dir.with_name(model_dir.name + "-gptq")
     if not (out / "config.json").exists():
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to("cuda")
         save_packed(model, "gptq", out, AutoTokenizer.from_pretrained(model_dir), symmetric=True)
+        del model
+        free_memory()
     return out
 
 

@@ -107,7 +107,8 @@ def _reference(x: torch.Tensor, w: GroupQuantWeight, bias, quantized_x: bool) ->
     seed=st.integers(0, 2**16),
 )
 def test_group_kernels_match_their_references(fmt, rows, n, blocks, with_bias, seed):
-    """Odd block counts take the AVX2 loop, even ones the AVX-512 one where it is built."""
+    """Odd block counts take the AVX2 loop, even ones the AVX-512 one where it is built; one
+    row takes the AVX2 loop over four columns at a time (and column by column for the rest)."""
     bits, group, _ = group_quant.parse_format(fmt)
     k = 32 * blocks * max(1, group // 32)
     g = torch.Generator().manual_seed(seed)

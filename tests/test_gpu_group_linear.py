@@ -39,11 +39,12 @@ from replica.gpu import group_gemm  # noqa: E402
 from replica.gpu.decoder import GPUFusedDecoder  # noqa: E402
 from replica.gpu.group_linear import (  # noqa: E402
     DEQUANTIZED,
+    TINYGEMM,
     TRITON,
     GroupLinear,
-    choose_group_kernels,
     group_linears,
     move_embeddings,
+    time_group_linear,
 )
 from replica.weights_summary import WeightsSummary  # noqa: E402
 
@@ -188,10 +189,22 @@ def test_gguf_embeddings_share_a_tied_lm_heads_integers():
 def test_every_candidate_is_timed_at_every_bucket_on_a_gpu(checkpoint):
     _, directory = checkpoint
     llm = LLM(str(directory), dtype="bfloat16", device="cuda", num_kv_blocks=64, max_num_batched_tokens=512)
-    runner = llm.engine.runner
-    timings = choose_group_kernels(runner.model, 512, torch.bfloat16)
-    assert timings == runner.group_timings or runner.group_timings is not None
+    timings = llm.engine.runner.group_timings
+    assert timings is not None and timings["buckets"][-1] == 512
+    assert len(timings["shapes"]) == 4  # q/k/v, o, gate/up, down
     for shape, seconds in timings["shapes"].items():
         for candidate in (TRITON, DEQUANTIZED):
             assert len(seconds[candidate]) == len(timings["buckets"]), shape
             assert all(0 < s < float("inf") for s in seconds[candidate]), (shape, candidate, seconds)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA only: torch's int4 GEMM runs on CUDA")
+def test_torch_int4_gemm_agrees_where_it_takes_the_format():
+    """torch's packing and scales as group_gemm.pack_tinygemm gives them: a wrong nibble
+    order or zero would read every weight wrongly, and the chooser would never run it."""
+    torch.manual_seed(0)
+    w = quantize(torch.randn(256, 512) * 0.05, "q4g64m")
+    m = GroupLinear(w, None).cuda()
+    assert group_gemm.tinygemm_runs(m.weight_blocks, torch.bfloat16, torch.device("cuda"))
+    seconds = time_group_linear(m, (1, 8, 64), torch.bfloat16)
+    assert all(0 < s < float("inf") for s in seconds[TINYGEMM]), seconds

@@ -258,6 +258,73 @@ static inline __attribute__((always_inline)) void column_tile_q8(
     for (int r = 0; r < rows; r++) y[(r0 + r) * n + j] = hsum256(acc[r]) + offset[r] + b;
 }
 
+/* One row (a single stream's decode), Q_COLUMNS columns at a time: a column alone is one
+ * chain of dependent FMAs a block, and its mins' sum another, which leave the core waiting
+ * on their latency; four columns' chains interleave, share each block of x, and end in one
+ * horizontal sum. The mins' terms go eight groups an FMA. */
+#define Q_COLUMNS 4
+static inline __attribute__((always_inline)) void columns_q8_one_row(
+    float* y, const int8_t* xq, const float* xd, const float* xsum, const uint8_t* qs, const uint16_t* scales,
+    const uint16_t* mins, const float* bias, int64_t j, int64_t n, int64_t k, int group, int bits) {
+    const int64_t groups = k / group, blocks = k / 32;
+    __m256 acc[Q_COLUMNS];
+    for (int c = 0; c < Q_COLUMNS; c++) acc[c] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + 32 * b));
+        const __m256 xs = _mm256_broadcast_ss(xd + b);
+        for (int c = 0; c < Q_COLUMNS; c++) {
+            const uint16_t* js = scales + (j + c) * groups;
+            const __m256 ws = group == 16 ? _mm256_set_m128(_mm_set1_ps(_cvtsh_ss(js[2 * b + 1])), _mm_set1_ps(_cvtsh_ss(js[2 * b])))
+                                          : _mm256_set1_ps(_cvtsh_ss(js[(b * 32) / group]));
+            __m256i sum;
+            if (bits == 4) {
+                const uint8_t* block = qs + ((j + c) * k) / 2 + 16 * b;
+                _mm_prefetch((const char*)block + Q_PREFETCH_BYTES, _MM_HINT_T0);
+                sum = dot_u8s8(nibbles32(block), xv);
+            } else {
+                const int8_t* w = (const int8_t*)qs + (j + c) * k + 32 * b;
+                _mm_prefetch((const char*)w + Q_PREFETCH_BYTES, _MM_HINT_T0);
+                const __m256i wsign = _mm256_loadu_si256((const __m256i*)w);
+                sum = dot_u8s8(_mm256_abs_epi8(wsign), _mm256_sign_epi8(xv, wsign));
+            }
+            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(ws, xs), acc[c]);
+        }
+    }
+    float tail[Q_COLUMNS] = {0.0f};
+    if (mins) {
+        for (int c = 0; c < Q_COLUMNS; c++) {
+            const uint16_t* jm = mins + (j + c) * groups;
+            int64_t g = 0;
+            for (; g + 8 <= groups; g += 8)
+                acc[c] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(jm + g))),
+                                         _mm256_loadu_ps(xsum + g), acc[c]);
+            for (; g < groups; g++) tail[c] += _cvtsh_ss(jm[g]) * xsum[g];
+        }
+    }
+    /* the four sums side by side: lanes (c, half) pairwise, then the halves */
+    const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+    float out[4];
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1)));
+    for (int c = 0; c < Q_COLUMNS; c++) y[j + c] = out[c] + tail[c] + (bias ? bias[j + c] : 0.0f);
+}
+
+/* y [1, n]: each thread a contiguous share of the columns, Q_COLUMNS at a time, the last
+ * few by column_tile_q8. */
+static void one_row_q8(float* y, const int8_t* xq, const float* xd, const float* xsum, const uint8_t* qs,
+                       const uint16_t* scales, const uint16_t* mins, const float* bias, int64_t n, int64_t k,
+                       int group, int bits, int num_threads) {
+    const int64_t quads = n / Q_COLUMNS;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t q = 0; q < quads; q++) {
+        if (bits == 4)
+            columns_q8_one_row(y, xq, xd, xsum, qs, scales, mins, bias, q * Q_COLUMNS, n, k, group, 4);
+        else
+            columns_q8_one_row(y, xq, xd, xsum, qs, scales, mins, bias, q * Q_COLUMNS, n, k, group, 8);
+    }
+    for (int64_t j = quads * Q_COLUMNS; j < n; j++)
+        column_tile_q8(y, xq, xd, xsum, qs, scales, mins, bias, 0, 1, j, n, k, group, bits);
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define Q8_WIDE 1
 /* With AVX-512, two blocks go in one 64-byte vector, which halves the instructions per
@@ -376,7 +443,10 @@ void gemm_group_q8(float* y, const float* x, const uint8_t* qs, const uint16_t* 
     float* xsum = mins ? (float*)malloc(sizeof(float) * (size_t)(m * groups)) : NULL;
     quantize_blocks(xq, xd, x, m, k);
     if (mins) group_sums(xsum, x, m, k, group);
-    FOR_EACH_TILE(column_tile_q8, xq, xd, xsum);
+    if (m == 1)
+        one_row_q8(y, xq, xd, xsum, qs, scales, mins, bias, n, k, group, bits, num_threads);
+    else
+        FOR_EACH_TILE(column_tile_q8, xq, xd, xsum);
     free(xq);
     free(xd);
     free(xsum);

@@ -73,7 +73,7 @@ class OpChoices:
         return "; ".join(f"{op}: {c.describe()}" for op, c in self.choices.items()) or "triton everywhere"
 
 
-def _seconds(call: Callable[[], None]) -> float:
+def gpu_seconds(call: Callable[[], None]) -> float:
     """A call's time on the GPU: the median over ROUNDS of CALLS back-to-back calls, with
     CUDA events, after a warm-up (Triton's compile)."""
     call()
@@ -142,7 +142,7 @@ def time_ops(shapes: OpShapes, buckets: tuple[int, ...], device: torch.device) -
             }
             for op, call in calls.items():
                 try:
-                    out[op][name].append(_seconds(call))
+                    out[op][name].append(gpu_seconds(call))
                 except Exception as e:  # never chosen; the others still are
                     logger.warning("%s's %s candidate failed at %d rows: %s", op, name, rows, e)
                     out[op][name].append(math.inf)
