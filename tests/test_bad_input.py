@@ -91,6 +91,12 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}]}
         ("/v1/completions", {**COMPLETION, "logprobs": -1}),
         ("/v1/completions", {**COMPLETION, "seed": 2**80}),
         ("/v1/completions", {**COMPLETION, "temperature": "hot"}),
+        # JSON booleans are not numbers (pydantic's lax mode would read them as 1 and 0)
+        ("/v1/completions", {**COMPLETION, "repetition_penalty": True}),
+        ("/v1/completions", {**COMPLETION, "max_tokens": True}),
+        ("/v1/completions", {**COMPLETION, "logit_bias": {"5": False}}),
+        ("/v1/completions", {**COMPLETION, "prompt": [1, True]}),
+        ("/v1/chat/completions", {**CHAT, "temperature": False}),
         ("/v1/completions", {**COMPLETION, "stop_token_ids": [-3]}),
         ("/v1/completions", {**COMPLETION, "stop": [""]}),
         ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": 7}]}),

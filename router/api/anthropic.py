@@ -25,7 +25,7 @@ from pydantic import (
 )
 
 from router.api.frontend import Choice, Choices
-from router.api.protocol import ChatCompletionRequest, main_error
+from router.api.protocol import ChatCompletionRequest, Integer, Number, main_error
 from router.api.tool_calls import ParsedCall
 from router.generation import APIError
 from wire.messages import StreamChunk
@@ -137,10 +137,10 @@ class CountTokensRequest(BaseModel):
 
 
 class MessagesRequest(CountTokensRequest):
-    max_tokens: int  # required, as Anthropic requires it
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
+    max_tokens: Integer  # required, as Anthropic requires it
+    temperature: Number | None = None
+    top_p: Number | None = None
+    top_k: Integer | None = None
     stop_sequences: list[str] | None = None
     stream: bool | None = False
     metadata: dict[str, Any] | None = None  # accepted, as Anthropic's; not used

@@ -7,9 +7,27 @@ the front end (router/api/frontend.py) builds from `sampling_fields()` for HTTP 
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    field_validator,
+    model_validator,
+)
 
-TokenId = Annotated[int, Field(ge=0)]
+
+def _not_a_boolean(value: Any) -> Any:
+    """JSON's true and false are not numbers, though pydantic's lax mode reads them as 1 and 0."""
+    if isinstance(value, bool):
+        raise ValueError("must be a number, not a boolean")
+    return value
+
+
+Number = Annotated[float, BeforeValidator(_not_a_boolean)]
+Integer = Annotated[int, BeforeValidator(_not_a_boolean)]
+TokenId = Annotated[Integer, Field(ge=0)]
 
 
 class StreamOptions(BaseModel):
@@ -122,22 +140,22 @@ class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None  # absent or empty: the served model, as in vLLM
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int | None = None
+    max_tokens: Integer | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+    n: Integer | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    seed: Integer | None = None
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    logit_bias: dict[str, Number] | None = None
     user: str | None = None  # accepted, as OpenAI's; not used
     # Beyond OpenAI, as in vLLM:
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    top_k: Integer | None = None
+    min_p: Number | None = None
+    repetition_penalty: Number | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool | None = None
     guided_json: dict | str | None = None
@@ -146,12 +164,12 @@ class _SamplingFields(BaseModel):
     guided_grammar: str | None = None
     # vLLM's: each prompt token's logprob and top-n alternatives, returned as a
     # top-level `prompt_logprobs` list (None first, then token id -> logprob, rank, token).
-    prompt_logprobs: int | None = None
+    prompt_logprobs: Integer | None = None
     # With the server's --speculative-config, false opts this request out of speculation.
     # Strict: a lax bool would read "no" or 0 as false; anything but a boolean is a 400.
     speculative: StrictBool | None = None
     # Under --scheduling-policy priority, lower values are served first; not a sampling field.
-    priority: int | None = None
+    priority: Integer | None = None
 
     def sampling_fields(self) -> dict:
         """The SamplingParams fields the client set (nulls left out), except max_tokens,
@@ -212,9 +230,9 @@ class CompletionRequest(_SamplingFields):
         | Annotated[list[Text], Field(min_length=1)]
         | Annotated[list[TokenIds], Field(min_length=1)]
     )
-    logprobs: int | None = None
+    logprobs: Integer | None = None
     echo: bool | None = False
-    best_of: int | None = None
+    best_of: Integer | None = None
     response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
@@ -234,9 +252,9 @@ class CompletionRequest(_SamplingFields):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Integer | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: Integer | None = None
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None

@@ -15,6 +15,7 @@ import uuid
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from router.api.frontend import EngineInput, FrontEnd
+from router.api.protocol import Integer
 from router.generation import APIError, as_own_request
 from wire.messages import GenerateRequest
 from wire.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -63,7 +64,7 @@ class _ScoringRequest(BaseModel):
 class RerankRequest(_ScoringRequest):
     query: str = Field(min_length=1)
     documents: list[str | Document] = Field(min_length=1, max_length=MAX_DOCUMENTS)
-    top_n: int | None = Field(default=None, ge=0)  # None or 0: every document
+    top_n: Integer | None = Field(default=None, ge=0)  # None or 0: every document
     return_documents: bool = True
 
     def texts(self) -> list[str]:

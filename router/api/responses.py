@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, model_validator
 
-from router.api.protocol import ChatCompletionRequest, main_error
+from router.api.protocol import ChatCompletionRequest, Integer, Number, main_error
 from router.api.response_store import ResponseStore
 from router.generation import APIError
 
@@ -53,9 +53,9 @@ class ResponsesRequest(BaseModel):
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
-    max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    max_output_tokens: Integer | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
     stream: bool | None = False
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
