@@ -161,8 +161,9 @@ def choose_group_kernels(model: nn.Module, max_rows: int, dtype: torch.dtype) ->
         choice = fastest(buckets, seconds)
         for m in linears:
             m.choice = choice
-            m.tinygemm = None
-            if TINYGEMM in choice.used():
+            if TINYGEMM not in choice.used():
+                m.tinygemm = None
+            elif m.tinygemm is None:  # linears[0] keeps the packing it was timed with
                 m.tinygemm = group_gemm.pack_tinygemm(m.weight_blocks)
         timings[f"{shape.n}x{shape.k} q{shape.bits}g{shape.group}{'m' if shape.mins else ''}"] = {
             "choice": choice.describe(),
