@@ -3,6 +3,8 @@ ordinary steps, every core of the process for bursts of prefill, and back after.
 
 import contextlib
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -65,3 +67,45 @@ def test_long_prefills_burst_onto_every_core_and_decodes_stay_steady(
     # Between steps, the engine is back on its steady cores.
     assert sorted(os.sched_getaffinity(0)) == plan.steady
     assert torch.get_num_threads() == len(plan.steady)
+
+
+# Prints the process's thread count before a thread runs a parallel region with two
+# threads, after it, and (release) after it ends its workers, while that thread lives.
+OPENMP_POOL = """
+import os, sys, threading, torch
+from replica.cpu.affinity import release_openmp_threads
+torch.set_num_threads(2)
+release = sys.argv[1] == "release"
+threads = lambda: len(os.listdir("/proc/self/task"))
+counts, done = [threads()], threading.Event()
+def work():
+    torch.ones(512, 512) @ torch.ones(512, 512)
+    counts.append(threads())
+    if release:
+        assert release_openmp_threads()
+        counts.append(threads())
+    done.set()
+thread = threading.Thread(target=work)
+thread.start()
+done.wait()
+print(*counts)
+thread.join()
+"""
+
+
+def openmp_pool_threads(release: bool) -> list[int]:
+    command = [sys.executable, "-c", OPENMP_POOL, "release" if release else "keep"]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    return [int(n) for n in run.stdout.split()]
+
+
+@pytest.mark.skipif(len(USABLE) < 2, reason="a parallel region of two threads needs two cores")
+def test_a_thread_that_lives_on_ends_its_openmp_workers():
+    """libgomp keeps a thread's OpenMP workers while the thread lives, and sleeps at
+    barriers once workers outnumber the cores (release_openmp_threads): a thread done
+    with torch work ends them."""
+    before, during = openmp_pool_threads(release=False)
+    assert during == before + 2  # the thread and its worker
+    before, during, after = openmp_pool_threads(release=True)
+    assert during == before + 2 and after == before + 1  # the worker has ended

@@ -11,6 +11,7 @@ every client is waiting for its first token, so there is nothing to stream. With
 "auto", steps of BURST_MIN_TOKENS tokens or more use it too (CorePlan)."""
 
 import contextlib
+import ctypes
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -43,6 +44,25 @@ def pin_process(cores: list[int]) -> None:
         with contextlib.suppress(ProcessLookupError):  # a thread that just ended
             os.sched_setaffinity(int(thread_id), cores)
     torch.set_num_threads(len(cores))
+
+
+def release_openmp_threads() -> bool:
+    """Ends the OpenMP worker threads that this thread's parallel regions started
+    (OpenMP 5's omp_pause_resource_all), for a thread that has finished its torch work
+    but lives on. False where the runtime has no such call (it is OpenMP 5.0's).
+
+    libgomp keeps a pool of workers for every thread that starts a parallel region, for
+    as long as that thread lives, and counts them all; once they outnumber the process's
+    cores it stops spinning at a barrier and sleeps in the kernel at each one instead.
+    A replica's engine steps on a thread of its own after loading and warming up on the
+    constructor's, which Serve keeps: with two cores and two torch threads, both pools
+    stay, and every decode step waits on futexes at each of its few hundred barriers."""
+    try:
+        pause = ctypes.CDLL("libgomp.so.1").omp_pause_resource_all  # torch's, by soname
+    except (OSError, AttributeError):
+        return False
+    pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
+    return pause(1) == 0  # omp_pause_soft
 
 
 @dataclass

@@ -20,8 +20,9 @@ import torch
 from ray import serve
 
 from replica.config import EngineConfig
-from replica.cpu.affinity import CorePlan, pin_process
+from replica.cpu.affinity import CorePlan, pin_process, release_openmp_threads
 from replica.engine import Engine
+from replica.lora.weights import AdapterWeights
 from replica.server.engine_loop import EngineLoop
 from replica.server.report_pusher import PUSH_INTERVAL_S, ReportPusher
 from replica.server.stream_chunks import stream_chunks
@@ -55,6 +56,8 @@ class LLMServer:
             self.engine.pin_to_cores(plan)
             logger.info(f"pinned to CPU cores {plan.steady}, bursts of prefill on {plan.burst}")
         self.engine.warm_up()  # before Serve counts the replica as ready
+        # From here the engine's own thread runs its parallel regions; this one lives on.
+        release_openmp_threads()
         replica_id = serve.get_replica_context().replica_id
         self.replica_id, self.deployment = replica_id.unique_id, replica_id.deployment_id.name
         self.node_id = ray.get_runtime_context().get_node_id()
@@ -106,8 +109,15 @@ class LLMServer:
         keeping it (add_lora) is the engine thread's."""
         if lora in await self._call_engine(self.engine.list_loras):
             return
-        weights = await asyncio.to_thread(self.engine.read_lora, lora)
+        weights = await asyncio.to_thread(self._read_lora, lora)
         await self._call_engine(self.engine.add_lora, lora, weights)
+
+    def _read_lora(self, lora: LoRARequest) -> AdapterWeights:
+        """On a pooled thread, which lives on after the read."""
+        try:
+            return self.engine.read_lora(lora)
+        finally:
+            release_openmp_threads()
 
     async def stats(self) -> ReplicaReport:
         """This replica's report, fresh, without its cached block hashes."""
