@@ -15,6 +15,7 @@ import ctypes
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -49,7 +50,8 @@ def pin_process(cores: list[int]) -> None:
 def release_openmp_threads() -> bool:
     """Ends the OpenMP worker threads that this thread's parallel regions started
     (OpenMP 5's omp_pause_resource_all), for a thread that has finished its torch work
-    but lives on. False where the runtime has no such call (it is OpenMP 5.0's).
+    but lives on. False where torch loaded no libgomp, or it has no such call (it is
+    OpenMP 5.0's).
 
     libgomp keeps a pool of workers for every thread that starts a parallel region, for
     as long as that thread lives, and counts them all; once they outnumber the process's
@@ -57,8 +59,14 @@ def release_openmp_threads() -> bool:
     A replica's engine steps on a thread of its own after loading and warming up on the
     constructor's, which Serve keeps: with two cores and two torch threads, both pools
     stay, and every decode step waits on futexes at each of its few hundred barriers."""
+    # torch's copy, as loaded: some wheels rename it (libgomp-<hash>.so.1), and loading
+    # another by soname would pause a runtime nothing uses.
+    loaded = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()}
+    runtime = next((path for path in loaded if Path(path).name.startswith("libgomp")), None)
+    if runtime is None:
+        return False
     try:
-        pause = ctypes.CDLL("libgomp.so.1").omp_pause_resource_all  # torch's, by soname
+        pause = ctypes.CDLL(runtime).omp_pause_resource_all
     except (OSError, AttributeError):
         return False
     pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
