@@ -14,29 +14,22 @@ workers; once they outnumber the cores it sleeps at every barrier instead of spi
 import argparse
 import statistics
 import threading
-import time
 from pathlib import Path
 
 import torch
 
 from bench.machine import write_result
-from kvserve import LLM, SamplingParams
+from bench.quantization import decode_seconds_per_token
+from kvserve import LLM
 from replica.cpu.affinity import release_openmp_threads
 
 CASES = ("no other thread", "another thread's workers kept", "another thread's workers ended")
 
 
-def seconds_per_token(llm: LLM, tokens: int) -> float:
-    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
-    start = time.perf_counter()
-    llm.generate([[1, 504, 3458, 282, 4649, 314, 253, 2012]], params, use_tqdm=False)
-    return (time.perf_counter() - start) / tokens
-
-
 def timed_beside(llm: LLM, case: str, tokens: int) -> float:
     """Decode on this thread while the case's other thread (if any) waits, alive."""
     if case == CASES[0]:
-        return seconds_per_token(llm, tokens)
+        return decode_seconds_per_token(llm, tokens)
     ready, done = threading.Event(), threading.Event()
 
     def other() -> None:
@@ -50,7 +43,7 @@ def timed_beside(llm: LLM, case: str, tokens: int) -> float:
     thread.start()
     ready.wait()
     try:
-        return seconds_per_token(llm, tokens)
+        return decode_seconds_per_token(llm, tokens)
     finally:
         done.set()
         thread.join()
@@ -72,7 +65,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     quantization = None if args.quantization == "none" else args.quantization
     llm = LLM(None, dtype=args.dtype, quantization=quantization, max_model_len=512, kv_cache_memory_gb=0.25)
-    seconds_per_token(llm, 8)  # warm-up
+    decode_seconds_per_token(llm, 8)  # warm-up
     runs = {case: [] for case in CASES}
     for _ in range(args.repeats):
         for case in CASES:
