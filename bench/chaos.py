@@ -7,7 +7,9 @@ Counted: requests answered in full, migrated (from /metrics), errors by kind, 5x
 errors outside the outage of the proxy or the ingress (from just before the kill until
 the component answered again: the requests in flight through it die with it, and new
 connections are refused until it is back), blocks free at the end, and recovery time
-after each kill.
+after each kill. A killed replica's replacement is awaited while the run goes on (one
+replica at least stays up); the coordinator, the proxy and the ingress are each awaited
+before the next kill, so that each one's recovery is timed on its own.
 
     python -m bench.chaos                    # -> bench/results/chaos_<machine>.json
     python -m bench.chaos --duration 30      # shorter
@@ -53,6 +55,7 @@ class Kill:
     at: float  # seconds into the run
     recovered_after_s: float | None = None  # None: not back within the time allowed
     running: int | None = None  # of a killed replica: its running requests, as last reported
+    victim: str | None = None  # of a killed replica: its id
 
 
 @dataclass
@@ -87,7 +90,10 @@ def snapshot(app: str) -> dict[str, ReplicaReport]:
         return {}
 
 
-def _client_loop(base_url: str, max_tokens: int, stop: threading.Event, outcomes: list[Outcome]) -> None:
+def _client_loop(
+    base_url: str, max_tokens: int, stop: threading.Event, flowing: threading.Event, outcomes: list[Outcome]
+) -> None:
+    """Streams completions until `stop`; sets `flowing` at the first text streamed."""
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="-", max_retries=0, timeout=120)
     rng = random.Random(threading.get_ident())
     while not stop.is_set():
@@ -104,6 +110,8 @@ def _client_loop(base_url: str, max_tokens: int, stop: threading.Event, outcomes
             )
             tokens = None
             for chunk in stream:
+                if chunk.choices and chunk.choices[0].text:
+                    flowing.set()
                 if chunk.usage is not None:
                     tokens = chunk.usage.completion_tokens
             ok = tokens == max_tokens
@@ -165,22 +173,28 @@ def _busiest_replica(app: str, wait_s: float) -> tuple[str, int]:
         time.sleep(0.1)
 
 
-def _kill(app: str, target: str, replicas: int, base_url: str, recover_s: float, run_started: float) -> Kill:
-    """Kill one component, then time how long until it is back."""
-    running = None
+def _kill(
+    app: str, target: str, replicas: int, base_url: str, down: set[str], recover_s: float, run_started: float
+):
+    """Kill one component. Returns its Kill and a check that it is back: a replica's is
+    that Serve replaced it and every replica up reports, a coordinator's that every
+    replica up reports to the new one, the proxy's and the ingress's that a request is
+    answered. `down`: the replicas killed and not yet replaced."""
+    running = victim = None
     if target == "replica":
         victim, running = _busiest_replica(app, recover_s)
+        down.add(victim)
         ray.kill(ray.get_actor(f"SERVE_REPLICA::{app}#LLMServer#{victim}", namespace="serve"))
 
         def back() -> bool:
             now = snapshot(app)
-            return len(now) == replicas and victim not in now
+            return len(now) == replicas - len(down) + 1 and victim not in now
 
     elif target == "coordinator":
         ray.kill(coordinator(app))
 
         def back() -> bool:
-            return len(snapshot(app)) == replicas
+            return len(snapshot(app)) == replicas - len(down)
 
     else:
         prefix = "SERVE_PROXY_ACTOR" if target == "proxy" else f"SERVE_REPLICA::{app}#OpenAIIngress"
@@ -189,11 +203,16 @@ def _kill(app: str, target: str, replicas: int, base_url: str, recover_s: float,
         def back() -> bool:
             return _serving(base_url)
 
-    kill = Kill(target, round(time.monotonic() - run_started, 2), running=running)
+    at = round(time.monotonic() - run_started, 2)
+    return Kill(target, at, running=running, victim=victim), back
+
+
+def _time_recovery(kill: Kill, back, recover_s: float, down: set[str]) -> None:
     time.sleep(0.5)  # let the death be noticed before asking whether it is over
     waited = _wait(back, recover_s)
     kill.recovered_after_s = None if waited is None else round(waited + 0.5, 2)
-    return kill
+    if kill.victim is not None:
+        down.discard(kill.victim)
 
 
 def _migrations(base_url: str) -> float:
@@ -230,26 +249,43 @@ def run_chaos(
     try:
         _wait(lambda: len(snapshot(app)) == replicas, 60)
         migrated_before = _migrations(base_url)
-        stop, outcomes = threading.Event(), []
+        stop, flowing, outcomes = threading.Event(), threading.Event(), []
         threads = [
-            threading.Thread(target=_client_loop, args=(base_url, max_tokens, stop, outcomes), daemon=True)
+            threading.Thread(
+                target=_client_loop, args=(base_url, max_tokens, stop, flowing, outcomes), daemon=True
+            )
             for _ in range(clients)
         ]
         for t in threads:
             t.start()
         # Kills start once streams flow: before that, a killed replica's requests have
         # sent nothing and are simply sent again, so a kill would test no migration.
-        _wait(lambda: any(o.status == "ok" for o in outcomes), recover_s)
+        flowing.wait(recover_s)
         started = time.monotonic()
         rounds = max(4, int(duration_s // kill_every_s))
         once = {rounds // 4: "coordinator", rounds // 2: "proxy", 3 * rounds // 4: "ingress"}
+        # A replica comes back in 20-40 s (a new worker process imports torch and
+        # transformers): the run goes on killing the other components meanwhile.
+        down: set[str] = set()
+        replacements = []
         for i in range(rounds):
             time.sleep(max(0.0, started + (i + 1) * kill_every_s - time.monotonic()))
             target = once.get(i, "replica")
             if target == "ingress":  # its counters die with it: bank them first
                 report.migrated += _migrations(base_url) - migrated_before
                 migrated_before = 0.0
-            report.kills.append(_kill(app, target, replicas, base_url, recover_s, started))
+            if target == "replica":  # one replica at least stays up
+                _wait(lambda: len(down) < replicas - 1, recover_s)
+            kill, back = _kill(app, target, replicas, base_url, down, recover_s, started)
+            report.kills.append(kill)
+            if target == "replica":  # timed while the run goes on; the others one at a time
+                replacement = threading.Thread(target=_time_recovery, args=(kill, back, recover_s, down))
+                replacement.start()
+                replacements.append(replacement)
+            else:
+                _time_recovery(kill, back, recover_s, down)
+        for replacement in replacements:
+            replacement.join()
         stop.set()
         for t in threads:
             t.join(timeout=150)
