@@ -269,6 +269,8 @@ class ModelRunner:
             )
             chooser.save()
             logger.info(chooser.describe())
+            for where, why in chooser.kept_out.items():
+                logger.warning("quantization='int8' keeps linear %s unquantized on this CPU: %s", where, why)
         # (input_ids [1, T], position_ids [1, T], rows) -> final hidden states [1, T, E] of
         # the packed rows `rows` ([R] indices; None: every row), [1, R, E]
         self.run_decoder = fused or _transformers_decoder(self.model.get_decoder())

@@ -134,6 +134,26 @@ def test_an_unquantized_kernel_takes_the_rows_where_it_is_faster(monkeypatch, tm
         expected = quantized_matmul(x, linear.weight, linear.bias) if rows == 1 else linear(x)
         torch.testing.assert_close(packed(x), expected, rtol=1e-5, atol=1e-5)
     assert "int8/float32 48x64: int8 gemm.c at <=44 rows, gemm.c above" in chooser.describe()
+    assert chooser.kept_out == {}
+
+
+def test_an_int8_linear_no_int8_kernel_wins_is_kept_unquantized_and_says_why(monkeypatch, tmp_path):
+    """Where every int8 kernel loses at every step size (torch's int8 kernel against
+    oneDNN's AMX one, on a bf16 model), the linear keeps only its float layout, and the
+    chooser says so with the times at one row, for the engine's start-up warning."""
+    kernels = [k for k in LinearShape(48, 64, torch.float32, quantization="int8").kernels()
+               if linear_kernels.can_run(k, torch.float32, 64)]  # fmt: skip
+    scripted = {k: [3e-6 * (i + 1) for i in range(8)] for k in kernels}
+    scripted["gemm.c"] = [1e-6 * (i + 1) for i in range(8)]
+    monkeypatch.setattr(kernel_choice, "time_linears", lambda timed, shape, buckets: {
+        k: scripted[k][: len(buckets)] for k in timed})  # fmt: skip
+    chooser = KernelChooser(max_rows=512, cache_dir=tmp_path, quantization="int8")
+    packed = PackedLinear.of(torch.nn.Linear(64, 48), chooser)
+    assert packed.choice.kernels == ("gemm.c",) and set(packed.layouts) == {"gemm.c"}
+    why = chooser.kept_out["int8/float32 48x64"]
+    int8_at_one = ", ".join(f"{k} 3 us" for k in kernels if k in linear_kernels.INT8_KERNELS)
+    assert why.startswith("no int8 kernel was faster at any step size timed; at 1 row: gemm.c 1 us"), why
+    assert int8_at_one in why, why
 
 
 def test_a_kernel_far_slower_at_few_rows_is_not_timed_at_more(monkeypatch):

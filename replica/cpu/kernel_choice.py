@@ -197,6 +197,19 @@ def fastest(buckets: tuple[int, ...], seconds: dict[str, list[float]]) -> Linear
     return LinearChoice(tuple(bounds), tuple(kernels))
 
 
+def int8_kept_out(seconds: dict[str, list[float]]) -> str:
+    """Why a linear's int8 weight runs at no row count: each kernel's time at one row
+    (decoding a single sequence), where the int8 kernels save most by reading a quarter
+    of bf16's bytes (half of fp32's), and still lost."""
+    int8 = [k for k in seconds if k in linear_kernels.INT8_KERNELS]
+    if not int8:
+        return "no int8 kernel runs on this CPU"
+    at_one = ", ".join(
+        f"{k} {seconds[k][0] * 1e6:.0f} us" for k in sorted(seconds, key=lambda k: seconds[k][0])
+    )
+    return f"no int8 kernel was faster at any step size timed; at 1 row: {at_one}"
+
+
 def one_layout(buckets: tuple[int, ...], seconds: dict[str, list[float]]) -> LinearChoice:
     """fastest() among the kernels that read one layout of a group-quantized weight: the
     file's integers as they are (gemm_group.c's kernels and the dequantizing one), or
@@ -344,6 +357,8 @@ class KernelChooser:
         self.timings: dict[str, dict[str, dict[str, float]]] = self._read_cache()
         self.measured: set[str] = set()
         self.chosen: dict[str, str] = {}  # what was chosen where, for the log line
+        # int8 linears that no int8 kernel runs at any row count, and why (int8_kept_out)
+        self.kept_out: dict[str, str] = {}
         # Every layer of a model has the same shapes: each is chosen once per load.
         self._choices: dict[tuple[LinearShape, tuple[int, ...]], LinearChoice] = {}
 
@@ -380,6 +395,8 @@ class KernelChooser:
                     if group_quant.is_format(shape.quantization)
                     else fastest(buckets, seconds)
                 )
+                if shape.quantization == "int8" and not choice.used() & set(linear_kernels.INT8_KERNELS):
+                    self.kept_out[shape.key().removeprefix("linear ")] = int8_kept_out(seconds)
         self.chosen[shape.key().removeprefix("linear ")] = choice.describe()
         return choice
 
