@@ -14,7 +14,8 @@ before the next kill, so that each one's recovery is timed on its own.
     python -m bench.chaos                    # -> bench/results/chaos_<machine>.json
     python -m bench.chaos --duration 30      # shorter
 
-tests/test_chaos.py runs a short version in CI through `run_chaos`.
+tests/test_migration.py runs a short version in CI through `run_chaos`, on the app its
+migration test ran on.
 """
 
 import argparse
@@ -36,7 +37,7 @@ from bench.serve_apps import coordinator, deploy, local_serve, undeploy
 from bench.serve_apps import snapshot as reports
 from wire.messages import ReplicaReport
 
-MODEL = "chaos-model"
+APP, MODEL = "chaos", "chaos-model"
 PROMPTS = [f"Request {i}: tell me about the sea and the ships on it." for i in range(32)]
 
 
@@ -91,7 +92,12 @@ def snapshot(app: str) -> dict[str, ReplicaReport]:
 
 
 def _client_loop(
-    base_url: str, max_tokens: int, stop: threading.Event, flowing: threading.Event, outcomes: list[Outcome]
+    base_url: str,
+    model: str,
+    max_tokens: int,
+    stop: threading.Event,
+    flowing: threading.Event,
+    outcomes: list[Outcome],
 ) -> None:
     """Streams completions until `stop`; sets `flowing` at the first text streamed."""
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="-", max_retries=0, timeout=120)
@@ -100,7 +106,7 @@ def _client_loop(
         started = time.monotonic()
         try:
             stream = client.completions.create(
-                model=MODEL,
+                model=model,
                 prompt=rng.choice(PROMPTS),
                 max_tokens=max_tokens,
                 temperature=0,
@@ -146,10 +152,10 @@ def _wait(condition, timeout_s: float) -> float | None:
     return None
 
 
-def _serving(base_url: str) -> bool:
+def _serving(base_url: str, model: str) -> bool:
     reply = httpx.post(
         f"{base_url}/v1/completions",
-        json={"model": MODEL, "prompt": "Hi", "max_tokens": 1},
+        json={"model": model, "prompt": "Hi", "max_tokens": 1},
         timeout=10,
     )
     return reply.status_code == 200
@@ -174,7 +180,14 @@ def _busiest_replica(app: str, wait_s: float) -> tuple[str, int]:
 
 
 def _kill(
-    app: str, target: str, replicas: int, base_url: str, down: set[str], recover_s: float, run_started: float
+    app: str,
+    model: str,
+    target: str,
+    replicas: int,
+    base_url: str,
+    down: set[str],
+    recover_s: float,
+    run_started: float,
 ):
     """Kill one component. Returns its Kill and a check that it is back: a replica's is
     that Serve replaced it and every replica up reports, a coordinator's that every
@@ -201,7 +214,7 @@ def _kill(
         ray.kill(_serve_actor(prefix))
 
         def back() -> bool:
-            return _serving(base_url)
+            return _serving(base_url, model)
 
     at = round(time.monotonic() - run_started, 2)
     return Kill(target, at, running=running, victim=victim), back
@@ -222,106 +235,94 @@ def _migrations(base_url: str) -> float:
 
 
 def run_chaos(
-    model_path: str | None,
+    app: str,
+    model: str,
     http_port: int,
-    app: str = "chaos",
-    replicas: int = 3,
+    replicas: int,
     clients: int = 6,
     duration_s: float = 120.0,
     kill_every_s: float = 8.0,
     max_tokens: int = 48,
-    engine_args: dict | None = None,
     recover_s: float = 60.0,
 ) -> ChaosReport:
-    """On a running Ray and Serve (HTTP on `http_port`): deploy, load, kill, count, undeploy.
-    Replica kills go on every kill_every_s; the coordinator, proxy and ingress are each
-    killed once, spread over the run."""
-    config = {
-        "app_name": app,
-        "model": model_path,
-        "served_model_name": MODEL,
-        "replicas": replicas,
-        "engine_args": engine_args or {},
-    }
-    deploy(config, route_prefix=f"/{app}")
+    """On a deployed app of `replicas` LLMServer replicas serving `model` (Serve's HTTP on
+    `http_port`): load, kill, count. Replica kills go on every kill_every_s; the
+    coordinator, proxy and ingress are each killed once, spread over the run."""
     base_url = f"http://127.0.0.1:{http_port}/{app}"
     report = ChaosReport(duration_s, replicas, clients, max_tokens)
-    try:
-        _wait(lambda: len(snapshot(app)) == replicas, 60)
-        migrated_before = _migrations(base_url)
-        stop, flowing, outcomes = threading.Event(), threading.Event(), []
-        threads = [
-            threading.Thread(
-                target=_client_loop, args=(base_url, max_tokens, stop, flowing, outcomes), daemon=True
-            )
-            for _ in range(clients)
-        ]
-        for t in threads:
-            t.start()
-        # Kills start once streams flow: before that, a killed replica's requests have
-        # sent nothing and are simply sent again, so a kill would test no migration.
-        flowing.wait(recover_s)
-        started = time.monotonic()
-        rounds = max(4, int(duration_s // kill_every_s))
-        once = {rounds // 4: "coordinator", rounds // 2: "proxy", 3 * rounds // 4: "ingress"}
-        # A replica comes back in 20-40 s (a new worker process imports torch and
-        # transformers): the run goes on killing the other components meanwhile.
-        down: set[str] = set()
-        replacements = []
-        for i in range(rounds):
-            time.sleep(max(0.0, started + (i + 1) * kill_every_s - time.monotonic()))
-            target = once.get(i, "replica")
-            if target == "ingress":  # its counters die with it: bank them first
-                report.migrated += _migrations(base_url) - migrated_before
-                migrated_before = 0.0
-            if target == "replica":  # one replica at least stays up
-                _wait(lambda: len(down) < replicas - 1, recover_s)
-            kill, back = _kill(app, target, replicas, base_url, down, recover_s, started)
-            report.kills.append(kill)
-            if target == "replica":  # timed while the run goes on; the others one at a time
-                replacement = threading.Thread(target=_time_recovery, args=(kill, back, recover_s, down))
-                replacement.start()
-                replacements.append(replacement)
-            else:
-                _time_recovery(kill, back, recover_s, down)
-        for replacement in replacements:
-            replacement.join()
-        stop.set()
-        for t in threads:
-            t.join(timeout=150)
-        report.lost = sum(t.is_alive() for t in threads)
-        report.requests = len(outcomes)
-        report.answered_in_full = sum(o.status == "ok" for o in outcomes)
-        failed = [o for o in outcomes if o.status != "ok"]
-        report.errors_by_kind = dict(Counter(o.status for o in failed))
-        report.http_5xx = sum(o.http_status is not None and o.http_status >= 500 for o in failed)
-        outages = [
-            (started + k.at - 1.0, started + k.at + (k.recovered_after_s or duration_s) + 1.0)
-            for k in report.kills
-            if k.target in ("proxy", "ingress")
-        ]
-        unexplained = [
-            o for o in failed if not any(o.started <= end and o.ended >= start for start, end in outages)
-        ]
-        report.errors_outside_proxy_or_ingress_outages = len(unexplained)
-        report.unexplained_errors = [
-            f"{o.status} {o.http_status or ''} {o.message[:200]!r}, "
-            f"from {o.started - started:.1f} s to {o.ended - started:.1f} s"
-            for o in unexplained
-        ]
-        report.migrated += _migrations(base_url) - migrated_before
+    _wait(lambda: len(snapshot(app)) == replicas, 60)
+    migrated_before = _migrations(base_url)
+    stop, flowing, outcomes = threading.Event(), threading.Event(), []
+    threads = [
+        threading.Thread(
+            target=_client_loop, args=(base_url, model, max_tokens, stop, flowing, outcomes), daemon=True
+        )
+        for _ in range(clients)
+    ]
+    for t in threads:
+        t.start()
+    # Kills start once streams flow: before that, a killed replica's requests have
+    # sent nothing and are simply sent again, so a kill would test no migration.
+    flowing.wait(recover_s)
+    started = time.monotonic()
+    rounds = max(4, int(duration_s // kill_every_s))
+    once = {rounds // 4: "coordinator", rounds // 2: "proxy", 3 * rounds // 4: "ingress"}
+    # A replica comes back in 20-40 s (a new worker process imports torch and
+    # transformers): the run goes on killing the other components meanwhile.
+    down: set[str] = set()
+    replacements = []
+    for i in range(rounds):
+        time.sleep(max(0.0, started + (i + 1) * kill_every_s - time.monotonic()))
+        target = once.get(i, "replica")
+        if target == "ingress":  # its counters die with it: bank them first
+            report.migrated += _migrations(base_url) - migrated_before
+            migrated_before = 0.0
+        if target == "replica":  # one replica at least stays up
+            _wait(lambda: len(down) < replicas - 1, recover_s)
+        kill, back = _kill(app, model, target, replicas, base_url, down, recover_s, started)
+        report.kills.append(kill)
+        if target == "replica":  # timed while the run goes on; the others one at a time
+            replacement = threading.Thread(target=_time_recovery, args=(kill, back, recover_s, down))
+            replacement.start()
+            replacements.append(replacement)
+        else:
+            _time_recovery(kill, back, recover_s, down)
+    for replacement in replacements:
+        replacement.join()
+    stop.set()
+    for t in threads:
+        t.join(timeout=150)
+    report.lost = sum(t.is_alive() for t in threads)
+    report.requests = len(outcomes)
+    report.answered_in_full = sum(o.status == "ok" for o in outcomes)
+    failed = [o for o in outcomes if o.status != "ok"]
+    report.errors_by_kind = dict(Counter(o.status for o in failed))
+    report.http_5xx = sum(o.http_status is not None and o.http_status >= 500 for o in failed)
+    outages = [
+        (started + k.at - 1.0, started + k.at + (k.recovered_after_s or duration_s) + 1.0)
+        for k in report.kills
+        if k.target in ("proxy", "ingress")
+    ]
+    unexplained = [
+        o for o in failed if not any(o.started <= end and o.ended >= start for start, end in outages)
+    ]
+    report.errors_outside_proxy_or_ingress_outages = len(unexplained)
+    report.unexplained_errors = [
+        f"{o.status} {o.http_status or ''} {o.message[:200]!r}, "
+        f"from {o.started - started:.1f} s to {o.ended - started:.1f} s"
+        for o in unexplained
+    ]
+    report.migrated += _migrations(base_url) - migrated_before
 
-        def all_free() -> bool:
-            replicas_now = snapshot(app)
-            idle = [
-                s.num_free_blocks == s.num_total_blocks and not (s.num_running or s.num_waiting)
-                for s in replicas_now.values()
-            ]
-            return len(idle) == replicas and all(idle)
+    def all_free() -> bool:
+        replicas_now = snapshot(app)
+        idle = [
+            s.num_free_blocks == s.num_total_blocks and not (s.num_running or s.num_waiting)
+            for s in replicas_now.values()
+        ]
+        return len(idle) == replicas and all(idle)
 
-        report.blocks_free_at_end = _wait(all_free, 30) is not None
-    finally:
-        undeploy(app)
+    report.blocks_free_at_end = _wait(all_free, 30) is not None
     return report
 
 
@@ -338,16 +339,21 @@ def main() -> None:
     args = parser.parse_args()
     port = 18531
     with local_serve(port, log_to_driver=True):
-        report = run_chaos(
-            None,
-            port,
-            replicas=args.replicas,
-            clients=args.clients,
-            duration_s=args.duration,
-            kill_every_s=args.kill_every,
-            max_tokens=args.max_tokens,
-            engine_args={"dtype": args.dtype},
-        )
+        config = {"app_name": APP, "model": None, "served_model_name": MODEL, "replicas": args.replicas}
+        deploy({**config, "engine_args": {"dtype": args.dtype}}, route_prefix=f"/{APP}")
+        try:
+            report = run_chaos(
+                APP,
+                MODEL,
+                port,
+                args.replicas,
+                clients=args.clients,
+                duration_s=args.duration,
+                kill_every_s=args.kill_every,
+                max_tokens=args.max_tokens,
+            )
+        finally:
+            undeploy(APP)
     result = {"single_run": True, **asdict(report), "max_recovery_s": report.max_recovery_s}
     print(json.dumps(result, indent=2))
     print(f"wrote {write_result('chaos', args, result, machine(ray=ray.__version__), args.out)}")

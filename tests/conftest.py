@@ -10,8 +10,9 @@ import tempfile  # noqa: E402
 os.environ.setdefault("KVSERVE_KERNEL_CACHE", tempfile.mkdtemp(prefix="kvserve-kernels-"))
 
 # Serve checks its HTTP proxy this often (Ray's default 10 s) and replaces it after three
-# failures in a row: tests/test_chaos.py kills the proxy, which then comes back within
-# seconds rather than half a minute. Read by the Serve controller, which inherits the driver's environment.
+# failures in a row: the chaos run of tests/test_migration.py kills the proxy, which then
+# comes back within seconds rather than half a minute. Read by the Serve controller,
+# which inherits the driver's environment.
 os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S", "2")
 
 import contextlib  # noqa: E402

@@ -116,8 +116,8 @@ def test_a_replica_kill_retries_queued_requests_and_leaks_nothing(ray_cluster, m
     """Two replicas that run one request at a time, eight requests: a replica running
     one with others queued is killed. The request it was streaming moves to the other
     replica (migration); its queued ones had produced nothing and are sent there again.
-    All eight finish whole. Serve starts a replacement, the coordinator forgets the
-    dead replica, and no block stays taken."""
+    All eight finish whole, the coordinator forgets the dead replica, and no block stays
+    taken."""
     app = "fault-retry"
     config = {"app_name": app, "model": str(model_path), "served_model_name": MODEL, "replicas": 2}
     config["engine_args"] = {"num_kv_blocks": 256, "max_num_seqs": 1}
@@ -154,16 +154,18 @@ def test_a_replica_kill_retries_queued_requests_and_leaks_nothing(ray_cluster, m
         assert all(r["status"] == 200 and r["end"] == "length" for r in results), results
         assert all(r["tokens"] == max_tokens for r in results), results
 
-        def replaced_and_idle() -> bool:
+        # Serve's replacement of the victim (20-40 s) is tests/test_migration.py's to wait
+        # for; here the survivor must have freed every block.
+        def forgotten_and_idle() -> bool:
             snapshot = coordinator_snapshot(app)
             return (
-                len(snapshot) == 2
+                bool(snapshot)
                 and victim not in snapshot
                 and all(s.num_free_blocks == s.num_total_blocks for s in snapshot.values())
                 and not any(s.num_running or s.num_waiting for s in snapshot.values())
             )
 
-        wait_for(replaced_and_idle, timeout_s=90, interval_s=0.5)
+        wait_for(forgotten_and_idle, timeout_s=90, interval_s=0.5)
     finally:
         undeploy(app)
 

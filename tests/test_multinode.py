@@ -163,16 +163,18 @@ def test_replicas_land_on_gpu_workers_scale_up_under_kv_pressure_and_back_down(f
     # until a second replica reports from a second worker node.
     stop = threading.Event()
     errors: list[Exception] = []
+    completion_tokens: list[int] = []
 
     def load() -> None:
         while not stop.is_set():
             try:
-                client.completions.create(
+                out = client.completions.create(
                     model=HUB_ID,
                     prompt="Count from one to one hundred: one, two, three,",
                     max_tokens=120,
                     extra_body={"ignore_eos": True},
                 )
+                completion_tokens.append(out.usage.completion_tokens)
             except openai.APIError as e:
                 errors.append(e)
 
@@ -186,6 +188,7 @@ def test_replicas_land_on_gpu_workers_scale_up_under_kv_pressure_and_back_down(f
         for thread in threads:
             thread.join(timeout=120)
     assert errors == []
+    assert completion_tokens and set(completion_tokens) == {120}  # none cut short by the scale-up
     nodes = {report.node_id for report in replica_reports().values()}
     assert len(nodes) == 2 and nodes <= set(worker_nodes()) and head not in nodes
 
