@@ -25,6 +25,7 @@ import re
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -188,7 +189,7 @@ def _kill(
     down: set[str],
     recover_s: float,
     run_started: float,
-):
+) -> tuple[Kill, Callable[[], bool]]:
     """Kill one component. Returns its Kill and a check that it is back: a replica's is
     that Serve replaced it and every replica up reports, a coordinator's that every
     replica up reports to the new one, the proxy's and the ingress's that a request is

@@ -200,10 +200,8 @@ def fastest(buckets: tuple[int, ...], seconds: dict[str, list[float]]) -> Linear
 def int8_kept_out(seconds: dict[str, list[float]]) -> str:
     """Why a linear's int8 weight runs at no row count: each kernel's time at one row
     (decoding a single sequence), where the int8 kernels save most by reading a quarter
-    of bf16's bytes (half of fp32's), and still lost."""
-    int8 = [k for k in seconds if k in linear_kernels.INT8_KERNELS]
-    if not int8:
-        return "no int8 kernel runs on this CPU"
+    of bf16's bytes (half of fp32's), and still lost. torch's int8 kernel runs on every
+    CPU, so one was always timed."""
     at_one = ", ".join(
         f"{k} {seconds[k][0] * 1e6:.0f} us" for k in sorted(seconds, key=lambda k: seconds[k][0])
     )
@@ -365,6 +363,7 @@ class KernelChooser:
     def linear(self, shape: LinearShape, max_rows: int | None = None) -> LinearChoice:
         """The kernel per row count for a linear of `shape` in steps of up to max_rows
         (default: the chooser's)."""
+        where = shape.key().removeprefix("linear ")
         runnable = [
             k
             for k in shape.kernels()
@@ -396,8 +395,8 @@ class KernelChooser:
                     else fastest(buckets, seconds)
                 )
                 if shape.quantization == "int8" and not choice.used() & set(linear_kernels.INT8_KERNELS):
-                    self.kept_out[shape.key().removeprefix("linear ")] = int8_kept_out(seconds)
-        self.chosen[shape.key().removeprefix("linear ")] = choice.describe()
+                    self.kept_out[where] = int8_kept_out(seconds)
+        self.chosen[where] = choice.describe()
         return choice
 
     def fresh_prefills_by_sdpa(
