@@ -262,35 +262,37 @@ def run_chaos(
     ]
     for t in threads:
         t.start()
-    # Kills start once streams flow: before that, a killed replica's requests have
-    # sent nothing and are simply sent again, so a kill would test no migration.
-    flowing.wait(recover_s)
-    started = time.monotonic()
-    rounds = max(4, int(duration_s // kill_every_s))
-    once = {rounds // 4: "coordinator", rounds // 2: "proxy", 3 * rounds // 4: "ingress"}
-    # A replica comes back in 20-40 s (a new worker process imports torch and
-    # transformers): the run goes on killing the other components meanwhile.
-    down: set[str] = set()
-    replacements = []
-    for i in range(rounds):
-        time.sleep(max(0.0, started + (i + 1) * kill_every_s - time.monotonic()))
-        target = once.get(i, "replica")
-        if target == "ingress":  # its counters die with it: bank them first
-            report.migrated += _migrations(base_url) - migrated_before
-            migrated_before = 0.0
-        if target == "replica":  # one replica at least stays up
-            _wait(lambda: len(down) < replicas - 1, recover_s)
-        kill, back = _kill(app, model, target, replicas, base_url, down, recover_s, started)
-        report.kills.append(kill)
-        if target == "replica":  # timed while the run goes on; the others one at a time
-            replacement = threading.Thread(target=_time_recovery, args=(kill, back, recover_s, down))
-            replacement.start()
-            replacements.append(replacement)
-        else:
-            _time_recovery(kill, back, recover_s, down)
-    for replacement in replacements:
-        replacement.join()
-    stop.set()
+    try:  # the clients stop however the run ends: a raise here would leave them sending
+        # Kills start once streams flow: before that, a killed replica's requests have
+        # sent nothing and are simply sent again, so a kill would test no migration.
+        flowing.wait(recover_s)
+        started = time.monotonic()
+        rounds = max(4, int(duration_s // kill_every_s))
+        once = {rounds // 4: "coordinator", rounds // 2: "proxy", 3 * rounds // 4: "ingress"}
+        # A replica comes back in 20-40 s (a new worker process imports torch and
+        # transformers): the run goes on killing the other components meanwhile.
+        down: set[str] = set()
+        replacements = []
+        for i in range(rounds):
+            time.sleep(max(0.0, started + (i + 1) * kill_every_s - time.monotonic()))
+            target = once.get(i, "replica")
+            if target == "ingress":  # its counters die with it: bank them first
+                report.migrated += _migrations(base_url) - migrated_before
+                migrated_before = 0.0
+            if target == "replica":  # one replica at least stays up
+                _wait(lambda: len(down) < replicas - 1, recover_s)
+            kill, back = _kill(app, model, target, replicas, base_url, down, recover_s, started)
+            report.kills.append(kill)
+            if target == "replica":  # timed while the run goes on; the others one at a time
+                replacement = threading.Thread(target=_time_recovery, args=(kill, back, recover_s, down))
+                replacement.start()
+                replacements.append(replacement)
+            else:
+                _time_recovery(kill, back, recover_s, down)
+        for replacement in replacements:
+            replacement.join()
+    finally:
+        stop.set()
     for t in threads:
         t.join(timeout=150)
     report.lost = sum(t.is_alive() for t in threads)
