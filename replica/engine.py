@@ -318,6 +318,12 @@ class Engine:
         """Where the model runs: "cpu" or "cuda"."""
         return self.runner.device.type
 
+    def kernels_share_work(self) -> bool:
+        """Whether every linear of a decode step runs a kernel whose threads take work as
+        they come free (ModelRunner.kernels_share_work; not with tensor parallelism)."""
+        runner = self.runner
+        return isinstance(runner, ModelRunner) and runner.kernels_share_work(self.config.max_num_seqs)
+
     def pin_to_cores(self, plan: CorePlan) -> None:
         """Run each eager step on the plan's cores (the caller pins the process itself)."""
         self.runner.use_cores(plan)

@@ -1,5 +1,6 @@
 """A pinned serving replica's cores (replica/cpu/affinity.py): its steady cores for
-ordinary steps, every core of the process for bursts of prefill, and back after."""
+ordinary steps (every core where its kernels share work), every core of the process for
+bursts of prefill, and back after."""
 
 import contextlib
 import os
@@ -12,6 +13,7 @@ from conftest import hf_greedy
 
 from kvserve import LLM, SamplingParams
 from replica.cpu.affinity import BURST_MIN_TOKENS, CorePlan, pin_process
+from replica.cpu.ops import f32_gemm_available
 
 USABLE = sorted(os.sched_getaffinity(0))
 
@@ -32,8 +34,21 @@ def test_auto_bursts_onto_every_core_and_a_list_of_cores_is_kept_to():
     plan = CorePlan.resolve("auto")
     assert plan.steady == (USABLE[1:] or USABLE)
     assert plan.burst == USABLE
-    plan = CorePlan.resolve([USABLE[-1]])
-    assert plan.steady == plan.burst == [USABLE[-1]]
+    # Kernels that share work out as threads come free run every step on every core.
+    plan = CorePlan.resolve("auto", kernels_share_work=True)
+    assert plan.steady == plan.burst == USABLE
+    for shares in (False, True):
+        plan = CorePlan.resolve([USABLE[-1]], kernels_share_work=shares)
+        assert plan.steady == plan.burst == [USABLE[-1]]
+
+
+def test_kernels_share_work_where_every_linear_runs_gemm_c(model_path):
+    """gemm.c's threads take panels as they come free; oneDNN gives each a fixed share."""
+    if not f32_gemm_available():
+        pytest.skip("gemm.c's fp32 kernel needs AVX2 and FMA")
+    limits = dict(dtype="float32", kv_cache_memory_gb=0.05, max_num_seqs=16)
+    assert LLM(str(model_path), cpu_kernels="gemm.c", **limits).engine.kernels_share_work()
+    assert not LLM(str(model_path), cpu_kernels="onednn", **limits).engine.kernels_share_work()
 
 
 @pytest.mark.skipif(len(USABLE) < 2, reason="bursts need a core beyond the steady ones")

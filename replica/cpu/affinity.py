@@ -8,7 +8,15 @@ depends on the machine and on what else runs there, so pinning is a setting
 
 A core left to the serving processes is idle while a burst of new prompts is prefilled:
 every client is waiting for its first token, so there is nothing to stream. With
-"auto", steps of BURST_MIN_TOKENS tokens or more use it too (CorePlan)."""
+"auto", steps of BURST_MIN_TOKENS tokens or more use it too (CorePlan).
+
+Where every linear of a decode step runs a kernel whose threads take work as they come
+free (ModelRunner.kernels_share_work), "auto" gives the engine every core for every
+step: the serving processes' moments on a core slow only that thread's share of each
+step, and the rest of that core's time is the engine's (measured against the one-core
+plan served: in the commit that made it so). Kernels with a fixed share per thread
+(oneDNN, torch, the group kernels) keep the plan above: there a thread held up on the
+shared core holds up every step."""
 
 import contextlib
 import ctypes
@@ -82,10 +90,13 @@ class CorePlan:
     burst: list[int]
 
     @classmethod
-    def resolve(cls, spec: str | list[int]) -> "CorePlan":
-        """ "auto" bursts onto every core this process may use; a list of cores is kept to."""
-        steady = resolve_cores(spec)
-        return cls(steady, sorted(os.sched_getaffinity(0)) if spec == "auto" else steady)
+    def resolve(cls, spec: str | list[int], kernels_share_work: bool = False) -> "CorePlan":
+        """ "auto" bursts onto every core this process may use, and runs every step there
+        where the kernels share work; a list of cores is kept to."""
+        if spec != "auto":
+            return cls(resolve_cores(spec), resolve_cores(spec))
+        every = sorted(os.sched_getaffinity(0))
+        return cls(every if kernels_share_work else resolve_cores(spec), every)
 
     @contextlib.contextmanager
     def for_step(self, num_tokens: int) -> Iterator[None]:

@@ -115,8 +115,8 @@ static void tile_rows(bf16* y, const bf16* x, const bf16* panel, const bf16* bia
 /* y [m, n] = x [m, k] W^T + bias, all contiguous; W packed by pack_bf16_weight; bias
  * [n] bf16 or NULL. Gated (gate_up weights packed by SiluMLP, 16 gate rows then the 16
  * matching up rows per panel, bias alike): y [m, n] = silu(x Wg^T + bg) * (x Wu^T + bu).
- * Each thread owns a share of the panels and streams only those; many rows go in chunks
- * of equal size, so a thread's panels stay in its cache between tiles. */
+ * The threads take panels as they come free (as in gemm_f32); many rows go in chunks of
+ * equal size. */
 void gemm_bf16(bf16* y, const bf16* x, const bf16* packed, const bf16* bias, int64_t m, int64_t n, int64_t k,
                int gated, int num_threads) {
     if (m <= 0) return;
@@ -126,7 +126,7 @@ void gemm_bf16(bf16* y, const bf16* x, const bf16* packed, const bf16* bias, int
 #pragma omp parallel num_threads(num_threads)
     for (int64_t chunk = 0; chunk < chunks; chunk++) {
         const int64_t end = (chunk + 1) * chunk_rows < m ? (chunk + 1) * chunk_rows : m;
-#pragma omp for schedule(static) nowait
+#pragma omp for schedule(dynamic) nowait
         for (int64_t p = 0; p < panels; p++) {
             const bf16* panel = packed + p * pairs * PANEL * 2;
             for (int64_t r = chunk * chunk_rows; r < end; r += TILE_ROWS) {
@@ -282,10 +282,14 @@ static void f32_interleave(float* xt, const float* x, int64_t k, int height) {
  * tile is bound by the FMA latency, not the throughput): tile t has
  * q + 1 rows if t < rem, else q. Each tile is copied once into xt [k][height], the tiles
  * shared out between the threads. Then the tiles go in row blocks of about
- * F32_BLOCK_BYTES of x, and within a block each thread streams its share of the panels
- * past the block's tiles: the block stays in the thread's L2 while a panel passes over
- * all its tiles, where one pass of every panel over all the rows would read x from L3
- * once per panel. */
+ * F32_BLOCK_BYTES of x, and within a block the threads stream the panels past the
+ * block's tiles: the block stays in each thread's L2 while a panel passes over all its
+ * tiles, where one pass of every panel over all the rows would read x from L3 once per
+ * panel. The threads take panels as they come free, not a fixed share each: where the
+ * serving processes take a core for a moment (a replica that runs on every core), the
+ * thread there does fewer panels and the others more, instead of every thread waiting
+ * for it at the end. A panel is one contiguous stream of weights, so dealing them out
+ * in turn costs no memory speed. */
 void gemm_f32(float* y, const float* x, const float* packed, const float* bias, int64_t m, int64_t n, int64_t k,
               int gated, int num_threads) {
     if (m <= 0) return;
@@ -306,7 +310,7 @@ void gemm_f32(float* y, const float* x, const float* packed, const float* bias, 
         for (int64_t first = 0; first < tiles; first += block_tiles) {
             const int64_t last = first + block_tiles < tiles ? first + block_tiles : tiles;
             /* nowait: blocks write disjoint rows of y, so a thread goes on to the next one */
-#pragma omp for schedule(static) nowait
+#pragma omp for schedule(dynamic) nowait
             for (int64_t p = 0; p < panels; p++) {
                 const float* panel = packed + p * k * F32_PANEL;
                 for (int64_t t = first; t < last; t++) {

@@ -158,7 +158,8 @@ static void i8_tile_rows(float* y, const int32_t* xt, const float* xs, const int
  * pack_i8_weight, with w_scale [n] padded with zeros to whole panels (gated: gate and up
  * rows, scales and bias interleaved by 8, and y = silu(gate) * up). The rows go in tiles
  * as gemm_f32's do; each tile is quantized once, the tiles shared out between threads,
- * then each thread streams its share of the panels past a block of tiles. */
+ * then the threads stream the panels past a block of tiles, taking them as they come
+ * free (as gemm_f32 does). */
 void gemm_i8(float* y, const float* x, const int8_t* packed, const float* w_scale, const float* bias, int64_t m,
              int64_t n, int64_t k, int gated, int num_threads) {
     if (m <= 0) return;
@@ -179,7 +180,7 @@ void gemm_i8(float* y, const float* x, const int8_t* packed, const float* w_scal
         }
         for (int64_t first = 0; first < tiles; first += block_tiles) {
             const int64_t last = first + block_tiles < tiles ? first + block_tiles : tiles;
-#pragma omp for schedule(static) nowait
+#pragma omp for schedule(dynamic) nowait
             for (int64_t p = 0; p < panels; p++) {
                 const int8_t* panel = packed + p * pairs * 2 * I8_PANEL;
                 for (int64_t t = first; t < last; t++) {

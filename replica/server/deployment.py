@@ -51,7 +51,7 @@ class LLMServer:
         self.engine = Engine(EngineConfig.from_kwargs(**(engine_args or {})))
         cores = self.engine.config.cpu_cores
         if cores is not None and self.engine.device_type == "cpu":
-            plan = CorePlan.resolve(cores)
+            plan = CorePlan.resolve(cores, kernels_share_work=self.engine.kernels_share_work())
             pin_process(plan.steady)  # before the engine's thread starts
             self.engine.pin_to_cores(plan)
             logger.info(f"pinned to CPU cores {plan.steady}, bursts of prefill on {plan.burst}")
