@@ -43,7 +43,7 @@ from replica.cpu.affinity import CorePlan
 from replica.cpu.decoder import PACKABLE_DTYPES, optimize_for_cpu
 from replica.cpu.kernel_choice import KernelChooser
 from replica.cpu.layers import PackedLinear
-from replica.cpu.linear_kernels import SHARING_KERNELS
+from replica.cpu.linear_kernels import FP32_SHARING_KERNELS
 from replica.cuda_graphs import DecodeGraphRunner
 from replica.devices import resolve_device, resolve_dtype
 from replica.gguf_blocks import attach_gguf_weights
@@ -333,12 +333,18 @@ class ModelRunner:
 
     def kernels_share_work(self, max_rows: int) -> bool:
         """Whether every linear of every step of up to max_rows rows runs a kernel whose
-        threads take work as they come free (linear_kernels.SHARING_KERNELS): then a
-        pinned replica can run on every core, the serving processes' moments on one of
-        them slowing only that core's share (replica/cpu/affinity.py)."""
+        threads take work as they come free (linear_kernels.FP32_SHARING_KERNELS, in an
+        fp32 model): then a pinned replica can run on every core, the serving processes'
+        moments on one of them slowing only that core's share (replica/cpu/affinity.py)."""
         linears = [m for m in self.model.modules() if isinstance(m, PackedLinear)]
-        return bool(linears) and all(
-            m.choice.kernel_for(rows) in SHARING_KERNELS for m in linears for rows in range(1, max_rows + 1)
+        return (
+            self.dtype == torch.float32
+            and bool(linears)
+            and all(
+                m.choice.kernel_for(rows) in FP32_SHARING_KERNELS
+                for m in linears
+                for rows in range(1, max_rows + 1)
+            )
         )
 
     @property

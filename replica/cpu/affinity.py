@@ -13,9 +13,9 @@ every client is waiting for its first token, so there is nothing to stream. With
 Where every linear of a decode step runs a kernel whose threads take work as they come
 free (ModelRunner.kernels_share_work), "auto" gives the engine every core for every
 step: the serving processes' moments on a core slow only that thread's share of each
-step, and the rest of that core's time is the engine's (measured against the one-core
-plan served: in the commit that made it so). Kernels with a fixed share per thread
-(oneDNN, torch, the group kernels) keep the plan above: there a thread held up on the
+step, and the rest of that core's time is the engine's (the commit that made it so has
+the served measurements). Kernels with a fixed share per thread (oneDNN, torch, gemm.c's
+bf16 kernel, the group kernels) keep the plan above: there a thread held up on the
 shared core holds up every step."""
 
 import contextlib

@@ -115,8 +115,8 @@ static void tile_rows(bf16* y, const bf16* x, const bf16* panel, const bf16* bia
 /* y [m, n] = x [m, k] W^T + bias, all contiguous; W packed by pack_bf16_weight; bias
  * [n] bf16 or NULL. Gated (gate_up weights packed by SiluMLP, 16 gate rows then the 16
  * matching up rows per panel, bias alike): y [m, n] = silu(x Wg^T + bg) * (x Wu^T + bu).
- * The threads take panels as they come free (as in gemm_f32); many rows go in chunks of
- * equal size. */
+ * Each thread owns a share of the panels and streams only those; many rows go in chunks
+ * of equal size, so a thread's panels stay in its cache between tiles. */
 void gemm_bf16(bf16* y, const bf16* x, const bf16* packed, const bf16* bias, int64_t m, int64_t n, int64_t k,
                int gated, int num_threads) {
     if (m <= 0) return;
@@ -126,7 +126,7 @@ void gemm_bf16(bf16* y, const bf16* x, const bf16* packed, const bf16* bias, int
 #pragma omp parallel num_threads(num_threads)
     for (int64_t chunk = 0; chunk < chunks; chunk++) {
         const int64_t end = (chunk + 1) * chunk_rows < m ? (chunk + 1) * chunk_rows : m;
-#pragma omp for schedule(dynamic) nowait
+#pragma omp for schedule(static) nowait
         for (int64_t p = 0; p < panels; p++) {
             const bf16* panel = packed + p * pairs * PANEL * 2;
             for (int64_t r = chunk * chunk_rows; r < end; r += TILE_ROWS) {
@@ -288,8 +288,8 @@ static void f32_interleave(float* xt, const float* x, int64_t k, int height) {
  * panel. The threads take panels as they come free, not a fixed share each: where the
  * serving processes take a core for a moment (a replica that runs on every core), the
  * thread there does fewer panels and the others more, instead of every thread waiting
- * for it at the end. A panel is one contiguous stream of weights, so dealing them out
- * in turn costs no memory speed. */
+ * for it at the end. A panel is one contiguous stream of weights, and dealing them out
+ * in turn measured no slower offline. */
 void gemm_f32(float* y, const float* x, const float* packed, const float* bias, int64_t m, int64_t n, int64_t k,
               int gated, int num_threads) {
     if (m <= 0) return;
