@@ -93,10 +93,11 @@ class CorePlan:
     def resolve(cls, spec: str | list[int], kernels_share_work: bool = False) -> "CorePlan":
         """ "auto" bursts onto every core this process may use, and runs every step there
         where the kernels share work; a list of cores is kept to."""
+        cores = resolve_cores(spec)
         if spec != "auto":
-            return cls(resolve_cores(spec), resolve_cores(spec))
+            return cls(cores, cores)
         every = sorted(os.sched_getaffinity(0))
-        return cls(every if kernels_share_work else resolve_cores(spec), every)
+        return cls(every if kernels_share_work else cores, every)
 
     @contextlib.contextmanager
     def for_step(self, num_tokens: int) -> Iterator[None]:
