@@ -41,7 +41,7 @@ from replica.config import EngineConfig
 from replica.cpu import ops as cpu_ops
 from replica.cpu.affinity import CorePlan
 from replica.cpu.decoder import PACKABLE_DTYPES, optimize_for_cpu
-from replica.cpu.kernel_choice import KernelChooser
+from replica.cpu.kernel_choice import KernelChooser, shares_work
 from replica.cpu.layers import PackedLinear
 from replica.cpu.linear_kernels import FP32_SHARING_KERNELS
 from replica.cuda_graphs import DecodeGraphRunner
@@ -332,20 +332,13 @@ class ModelRunner:
                 logger.info("CUDA graphs off: the %s attention backend cannot be captured", name)
 
     def kernels_share_work(self, max_rows: int) -> bool:
-        """Whether every linear of every step of up to max_rows rows runs a kernel whose
-        threads take work as they come free (linear_kernels.FP32_SHARING_KERNELS, in an
-        fp32 model): then a pinned replica can run on every core, the serving processes'
-        moments on one of them slowing only that core's share (replica/cpu/affinity.py)."""
-        linears = [m for m in self.model.modules() if isinstance(m, PackedLinear)]
-        return (
-            self.dtype == torch.float32
-            and bool(linears)
-            and all(
-                m.choice.kernel_for(rows) in FP32_SHARING_KERNELS
-                for m in linears
-                for rows in range(1, max_rows + 1)
-            )
-        )
+        """Whether, in an fp32 model, kernels whose threads take work as they come free
+        (linear_kernels.FP32_SHARING_KERNELS) run most of every step's linear time up to
+        max_rows rows (kernel_choice.shares_work): then a pinned replica can run on every
+        core, the serving processes' moments on one of them slowing mostly that core's
+        share (replica/cpu/affinity.py)."""
+        choices = [m.choice for m in self.model.modules() if isinstance(m, PackedLinear)]
+        return self.dtype == torch.float32 and shares_work(choices, max_rows, FP32_SHARING_KERNELS)
 
     @property
     def bytes_per_block(self) -> int:

@@ -17,7 +17,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replica.cpu.kernel_choice import GIVE_UP_RATIO, MARGIN, fastest, interpolated, time_buckets
+from replica.cpu.kernel_choice import (
+    GIVE_UP_RATIO,
+    MARGIN,
+    SHARED_MAJORITY,
+    LinearChoice,
+    fastest,
+    interpolated,
+    shares_work,
+    time_buckets,
+)
+from replica.cpu.linear_kernels import FP32_SHARING_KERNELS
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = ("int8 gemm.c", "gemm.c", "onednn", "torch")
@@ -137,6 +147,58 @@ def test_a_default_given_up_on_runs_at_no_row_count_above():
     assert math.isinf(interpolated(buckets, seconds["gemm.c"], 200))
     assert math.isinf(interpolated(buckets, seconds["gemm.c"], 100))
     assert interpolated(buckets, seconds["gemm.c"], 4096) == inf
+
+
+@settings(max_examples=200, deadline=None)
+@given(tables(pruned=False))
+def test_a_choice_knows_the_time_of_the_kernel_it_runs(table):
+    buckets, seconds = table
+    choice = fastest(buckets, seconds)
+    for rows in range(1, buckets[-1] + 1):
+        expected = interpolated(buckets, seconds[choice.kernel_for(rows)], rows)
+        assert choice.seconds_for(rows) == expected
+    assert LinearChoice.forced("onednn").seconds_for(1) is None
+
+
+def shared_part(choices: list[LinearChoice], rows: int) -> float:
+    """shares_work's rule, linear by linear: the sharing kernels' part of the time."""
+    times = [(c.kernel_for(rows), c.seconds_for(rows)) for c in choices]
+    total = sum(t for _, t in times)
+    return sum(t for k, t in times if k in FP32_SHARING_KERNELS) / total if total else 1.0
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(tables(pruned=True), min_size=1, max_size=4),
+    st.lists(st.integers(1, 30), min_size=7, max_size=7),
+)
+def test_replicas_share_cores_where_sharing_kernels_take_most_of_every_step(linear_tables, counts):
+    """Over arbitrary timings and numbers of each linear: the plan shares every core exactly
+    where, at every row count, the sharing kernels take at least SHARED_MAJORITY of the
+    linear time; adding linears that run sharing kernels never takes that away."""
+    choices = [fastest(*t) for t, n in zip(linear_tables, counts, strict=False) for _ in range(n)]
+    max_rows = min(t[0][-1] for t in linear_tables)
+    expected = all(shared_part(choices, rows) >= SHARED_MAJORITY for rows in range(1, max_rows + 1))
+    assert shares_work(choices, max_rows, FP32_SHARING_KERNELS) == expected
+    sharing = LinearChoice.forced("gemm.c")
+    if expected:
+        assert shares_work(choices + [sharing] * counts[4], max_rows, FP32_SHARING_KERNELS)
+    assert shares_work([sharing] * counts[5], max_rows, FP32_SHARING_KERNELS)
+    assert not shares_work([LinearChoice.forced("onednn")] * counts[6], max_rows, FP32_SHARING_KERNELS)
+    assert not shares_work([], max_rows, FP32_SHARING_KERNELS)
+
+
+def test_an_lm_head_on_onednn_at_one_row_keeps_every_core():
+    """The case met on the Zen 3 EPYC: its SmolLM2's 120 decoder linears on gemm.c at every
+    row count, its lm_head (a fifth of the weights) on oneDNN at 1 and 2 rows. oneDNN's
+    fixed shares stall only the lm_head's part of a step, so the replica keeps every core;
+    were the lm_head most of a step, it would not."""
+    buckets = (1, 8, 64)
+    layer = fastest(buckets, {"gemm.c": [1e-4, 2e-4, 1e-3], "onednn": [2e-4, 4e-4, 2e-3]})
+    head = fastest(buckets, {"gemm.c": [3e-4, 5e-4, 3e-3], "onednn": [2e-4, 6e-4, 4e-3]})
+    assert head.kernel_for(1) == "onednn" and head.kernel_for(64) == "gemm.c"
+    assert shares_work([layer] * 120 + [head], 64, FP32_SHARING_KERNELS)
+    assert not shares_work([layer] + [head] * 10, 64, FP32_SHARING_KERNELS)
 
 
 def test_the_recorded_machines_are_all_here():

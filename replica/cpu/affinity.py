@@ -10,13 +10,13 @@ A core left to the serving processes is idle while a burst of new prompts is pre
 every client is waiting for its first token, so there is nothing to stream. With
 "auto", steps of BURST_MIN_TOKENS tokens or more use it too (CorePlan).
 
-Where every linear of a decode step runs a kernel whose threads take work as they come
-free (ModelRunner.kernels_share_work), "auto" gives the engine every core for every
+Where kernels whose threads take work as they come free run most of every decode step's
+linear time (ModelRunner.kernels_share_work), "auto" gives the engine every core for every
 step: the serving processes' moments on a core slow only that thread's share of each
 step, and the rest of that core's time is the engine's (the commit that made it so has
-the served measurements). Kernels with a fixed share per thread (oneDNN, torch, gemm.c's
-bf16 kernel, the group kernels) keep the plan above: there a thread held up on the
-shared core holds up every step."""
+the served measurements). Where kernels with a fixed share per thread (oneDNN, torch,
+gemm.c's bf16 kernel, the group kernels) run most of it, the plan above holds: there a
+thread held up on the shared core holds up most of every step."""
 
 import contextlib
 import ctypes

@@ -16,6 +16,7 @@ they can run, the C attention kernel for fresh prefills), "onednn" or "torch" (t
 library kernel for every linear, SDPA for fresh prefills)."""
 
 import bisect
+import collections
 import copy
 import functools
 import hashlib
@@ -51,6 +52,9 @@ FRESH_CHUNKS, FRESH_CHUNK = 4, 128
 STREAMED_BYTES = 128 << 20
 MIN_TIMED_S = 0.002  # a timing repeats one call until this much time has passed
 ROUNDS = 3  # timings per candidate; the best counts
+# The least part of a step's linear time that work-sharing kernels take for a pinned
+# replica to run every step on every core (shares_work, CorePlan.resolve).
+SHARED_MAJORITY = 0.5
 MARGIN = 0.1  # how much faster than the default kernel (fastest()) another kernel must be
 # A kernel this many times slower than the fastest at one bucket is not timed at larger
 # ones (its time there counts as infinite): torch's int8 kernel on a CPU without AVX-512
@@ -96,9 +100,17 @@ class LinearChoice:
 
     bounds: tuple[int, ...]
     kernels: tuple[str, ...]
+    # What it was chosen by: each kernel's seconds at each of `buckets` (none if forced).
+    buckets: tuple[int, ...] = ()
+    seconds: tuple[tuple[str, tuple[float, ...]], ...] = ()
 
     def kernel_for(self, rows: int) -> str:
         return self.kernels[min(bisect.bisect_left(self.bounds, rows), len(self.kernels) - 1)]
+
+    def seconds_for(self, rows: int) -> float | None:
+        """The chosen kernel's measured time at `rows`, interpolated; None if untimed."""
+        timed = dict(self.seconds).get(self.kernel_for(rows))
+        return None if timed is None else interpolated(self.buckets, list(timed), rows)
 
     def used(self) -> set[str]:
         return set(self.kernels)
@@ -194,7 +206,31 @@ def fastest(buckets: tuple[int, ...], seconds: dict[str, list[float]]) -> Linear
         else:
             bounds.append(rows)
             kernels.append(kernel)
-    return LinearChoice(tuple(bounds), tuple(kernels))
+    timed = tuple((kernel, tuple(s)) for kernel, s in seconds.items())
+    return LinearChoice(tuple(bounds), tuple(kernels), buckets, timed)
+
+
+def shares_work(choices: list[LinearChoice], max_rows: int, sharing: tuple[str, ...]) -> bool:
+    """Whether kernels in `sharing` take at least SHARED_MAJORITY of a step's linear time
+    at every step of 1 to max_rows rows, by the chooser's own timings (a forced choice,
+    untimed, counts each linear alike). A kernel that gives each thread a fixed share
+    stalls its step while a thread's core is taken; one that runs a small part of the
+    step (an lm_head oneDNN wins at one row) stalls only that part."""
+    weights = collections.Counter(choices)  # every layer's linears share a few choices
+    if not weights:
+        return False
+    for rows in range(1, max_rows + 1):
+        shared = total = 0.0
+        for choice, count in weights.items():
+            seconds = choice.seconds_for(rows)
+            seconds = count * (1.0 if seconds is None else seconds)
+            if not math.isfinite(seconds):
+                return False
+            total += seconds
+            shared += seconds if choice.kernel_for(rows) in sharing else 0.0
+        if shared < SHARED_MAJORITY * total:
+            return False
+    return True
 
 
 def int8_kept_out(seconds: dict[str, list[float]]) -> str:
