@@ -31,6 +31,13 @@ from router.placement.kv_router import KVAwareRouter
 
 SERVE_METRICS_INTERVAL_S = AutoscalingConfig.model_fields["metrics_interval_s"].default  # 10 s
 
+# A stopping replica sleeps this long before each count of its requests in flight (Serve's
+# default is 2 s): the first sleep lets routers learn that it is stopping, which Serve's
+# long poll tells them within milliseconds; a request that still reaches it is served
+# before it stops, or once it has drained, rejected and routed again. Every app teardown,
+# `kvserve serve` exit and scale-down waits it out.
+SHUTDOWN_WAIT_LOOP_S = 0.5
+
 # For Serve's gRPC proxy (`grpc_options.grpc_servicer_functions`).
 GRPC_SERVICER = "router.api.protos.kvserve_pb2_grpc.add_LLMServicer_to_server"
 
@@ -248,6 +255,7 @@ def build_app(config: AppConfig | dict) -> Application:
     ingress = OpenAIIngress.options(
         max_queued_requests=config.max_queued_requests,
         backpressure_config=BackpressureConfig(status_code=429, retry_after_s=1),
+        graceful_shutdown_wait_loop_s=SHUTDOWN_WAIT_LOOP_S,
     )
     can_scale_to_zero = config.autoscaling is not None and config.autoscaling.min_replicas == 0
     return ingress.bind(
@@ -295,6 +303,7 @@ def _replicas(
         max_ongoing_requests=config.max_ongoing_requests,
         max_queued_requests=config.max_queued_requests,
         health_check_period_s=config.health_check_period_s,
+        graceful_shutdown_wait_loop_s=SHUTDOWN_WAIT_LOOP_S,
         ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus},
         **options,
     ).bind(
