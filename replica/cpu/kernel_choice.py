@@ -215,7 +215,7 @@ def shares_work(choices: list[LinearChoice], max_rows: int, sharing: tuple[str, 
     at every step of 1 to max_rows rows, by the chooser's own timings (a forced choice,
     untimed, counts each linear alike). A kernel that gives each thread a fixed share
     stalls its step while a thread's core is taken; one that runs a small part of the
-    step (an lm_head oneDNN wins at one row) stalls only that part."""
+    step (the lm_head, where oneDNN wins at one row) stalls only that part."""
     weights = collections.Counter(choices)  # every layer's linears share a few choices
     if not weights:
         return False
