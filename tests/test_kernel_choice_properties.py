@@ -213,16 +213,67 @@ def test_the_recorded_machines_are_all_here():
     } <= names
 
 
+def replayed(table: dict[str, dict[str, float]]):
+    """A recorded table as buckets, its raw times per bucket (inf where none was recorded)
+    and what today's give-up rule would have timed of them."""
+    buckets = tuple(sorted({int(b) for t in table.values() for b in t}))
+    raw = {k: [table[k].get(str(b), math.inf) for b in buckets] for k in table}
+    index = {b: i for i, b in enumerate(buckets)}
+    pruned = time_buckets(list(table), buckets, lambda rows, timed: {k: raw[k][index[rows]] for k in timed})
+    return buckets, raw, pruned
+
+
+# SmolLM2-135M's fp32 linears: how many of each shape the model has.
+SMOLLM2_FP32_LINEARS = {
+    "linear float32 960x576": 30,
+    "linear float32 576x576": 30,
+    "linear float32 3072x576 gated": 30,
+    "linear float32 576x1536": 30,
+    "linear float32 49152x576": 1,
+}
+
+
+def recorded_smollm2_choices() -> list[tuple[str, list[LinearChoice]]]:
+    """(machine, every fp32 linear's choice) for each machine that timed all of them."""
+    tables: dict[str, dict[str, dict]] = {}
+    for where, table in RECORDED:
+        machine, key = where.split(": ", 1)
+        tables.setdefault(machine, {})[key] = table
+    machines = []
+    for machine, timed in tables.items():
+        if SMOLLM2_FP32_LINEARS.keys() <= timed.keys():
+            choices = []
+            for key, count in SMOLLM2_FP32_LINEARS.items():
+                buckets, _, pruned = replayed(timed[key])
+                choices += [fastest(buckets, pruned)] * count
+            machines.append((machine, choices))
+    return machines
+
+
+RECORDED_SMOLLM2 = recorded_smollm2_choices()
+
+
+def test_every_recorded_machine_has_the_bundled_models_fp32_timings():
+    assert len(RECORDED_SMOLLM2) >= 5
+
+
+@pytest.mark.parametrize("where,choices", RECORDED_SMOLLM2, ids=[where for where, _ in RECORDED_SMOLLM2])
+def test_recorded_machines_pin_by_the_sharing_kernels_part_of_each_step(where, choices):
+    """The pinning rule on each machine's recorded timings of the bundled model, at its
+    default 128 sequences: every core exactly where the sharing kernels take at least
+    SHARED_MAJORITY of the linear time at every row count, and a finite time everywhere."""
+    assert all(math.isfinite(c.seconds_for(rows)) for c in set(choices) for rows in range(1, 129))
+    expected = all(shared_part(choices, rows) >= SHARED_MAJORITY for rows in range(1, 129))
+    assert shares_work(choices, 128, FP32_SHARING_KERNELS) == expected
+
+
 @pytest.mark.parametrize("where,table", RECORDED, ids=[where for where, _ in RECORDED])
 def test_recorded_machines_choose_within_the_margin(where, table):
     """Each machine's recorded times, through today's give-up rule and fastest(): the
     kernel chosen at every row count is one that was timed there and within the margin of
     the best (times between buckets interpolated), against the recorded times themselves."""
-    buckets = tuple(sorted({int(b) for t in table.values() for b in t}))
+    buckets, raw, pruned = replayed(table)
     kernels = list(table)
-    raw = {k: [table[k].get(str(b), math.inf) for b in buckets] for k in kernels}
-    index = {b: i for i, b in enumerate(buckets)}
-    pruned = time_buckets(kernels, buckets, lambda rows, timed: {k: raw[k][index[rows]] for k in timed})
     choice = fastest(buckets, pruned)
     check_choice(buckets, pruned)
     # Against the recorded times, where the give-up rule took nothing the fastest needed.
