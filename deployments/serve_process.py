@@ -184,11 +184,16 @@ class _Server:
             return 2
         # Ray Serve's own throughput settings (user code on the replica's main event loop,
         # buffered access logs, gRPC between handles, GC frozen after start-up) take per-request
-        # overhead off the few cores a CPU replica has. Every Serve process reads them, so they
-        # go to the local Ray this starts and to the job's workers. Direct ingress stays off:
-        # with it, Serve's proxy still answers on our ports, and its 30 s draining period
-        # holds up shutdown.
-        serve_env = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
+        # overhead off the few cores a CPU replica has, and so does gRPC from the proxy to the
+        # ingress, which that mode leaves off. Every Serve process reads them, so they go to
+        # the local Ray this starts and to the job's workers. Direct ingress stays off: with
+        # it, Serve's proxy still answers on our ports, and its 30 s draining period holds up
+        # shutdown.
+        serve_env = {
+            "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+            "RAY_SERVE_PROXY_USE_GRPC": "1",
+            "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
+        }
         serve_env = {name: os.environ.get(name, value) for name, value in serve_env.items()}
         os.environ.update(serve_env)
         with self.ray_lock:

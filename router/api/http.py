@@ -81,7 +81,13 @@ class OpenAIIngress:
         model's generation_config.json, as vLLM does; "none" keeps SamplingParams' own."""
         check_versions(versions, "ingress")
         app.state.max_request_bytes = max_request_bytes
-        self.llms = [llm, *(more_llms or [])]
+        # Chunks come over gRPC rather than as Ray object references: a streamed chunk by
+        # reference costs an object ref, its reference counting and a report to its owner,
+        # a large part of this replica's CPU at one chunk per request per engine step.
+        # Serve's throughput-optimized mode makes that the default only for handles made in a
+        # process that had it set when it imported Serve; these come from where the app is
+        # built, set or not.
+        self.llms = [handle.options(_by_reference=False) for handle in (llm, *(more_llms or []))]
         self._coordinator_address = coordinator
         self.coordinator = get_coordinator(coordinator) if coordinator else None
         self.model_name = model_name
