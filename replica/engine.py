@@ -78,7 +78,7 @@ class Engine:
         self.sampling = SamplingState(config.max_num_seqs, self.runner.vocab_size, self.runner.device)
         # The backend's sampling kernels where it has them (the CPU one reads bf16 logits).
         self._argmax = self.runner.backend.argmax or torch_argmax
-        self._temperature_sample = self.runner.backend.temperature_sample
+        self._fused_sample = self.runner.backend.fused_sample
         # Overlap host work with the device's: worth it where they are separate (CUDA).
         self.async_scheduling = (
             config.async_scheduling
@@ -286,7 +286,7 @@ class Engine:
             return InFlight([], None, prompt_logprobs, verified)
         if any(r.edits_logits for r in requests):
             edit_logits(logits, requests, self.input_processor.grammars)
-        sampled = sample(logits, self.sampling.batch(requests), self._argmax, self._temperature_sample)
+        sampled = sample(logits, self.sampling.batch(requests), self._argmax, self._fused_sample)
         self.sampling.record(requests, sampled.token_ids)
         for row, request in enumerate(requests):  # placeholders until the tokens are read
             request.token_ids.append(PENDING)

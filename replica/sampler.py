@@ -13,7 +13,9 @@ row's vocabulary to find it costs more than a small model's whole decode step on
 the kept prefix is usually a handful of tokens (a model's generation config, such as
 temperature 0.2 with top_p 0.9, is what served requests get by default). So on CPU each
 filtered row looks among its most likely tokens first (CANDIDATES, one topk each), and
-only a row whose kept tokens may reach past them sorts its whole vocabulary.
+only a row whose kept tokens may reach past them sorts its whole vocabulary. The CPU
+engine's fused kernel (`fused_sample`, replica/cpu/sampling.c) does the same in one call
+for every row; these torch ops serve where it is not built and on GPUs.
 """
 
 from collections.abc import Callable
@@ -87,8 +89,9 @@ class SamplerOutput:
         return tokens, logprobs
 
 
-# (logits [B, V], temperatures [B] with 0 for greedy rows, draws [B, 1] in [0, 1)) -> tokens [B]
-TemperatureSample = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# (logits [B, V], temperatures [B] with 0 for greedy rows, draws [B, 1] in [0, 1), then
+# the batch's top_k, top_p and min_p, each None where no row sets it) -> tokens [B]
+FusedSample = Callable[..., torch.Tensor]
 
 
 def torch_argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -99,19 +102,18 @@ def sample(
     logits: torch.Tensor,
     batch: SamplingBatch,
     argmax: Callable[[torch.Tensor], torch.Tensor] = torch_argmax,
-    temperature_sample: TemperatureSample | None = None,
+    fused_sample: FusedSample | None = None,
 ) -> SamplerOutput:
     """logits: [B, V] in the model's dtype. `argmax` may be a faster kernel than torch's
     (the CPU one reads bf16 directly); greedy rows without penalties never widen to fp32.
-    `temperature_sample`, a fused kernel for batches that only set temperatures (what
-    most clients send), does the same inverse-CDF draw in one pass over the logits."""
+    `fused_sample`, a kernel that draws every row's token in one call (temperature and
+    filters), samples in place of the torch ops below, after penalties where a row has
+    them."""
     plain = batch.penalties is None and batch.max_logprobs < 0
     if batch.all_greedy and plain:
         return SamplerOutput(argmax(logits))
-    only_temperature = plain and batch.top_k is None and batch.top_p is None and batch.min_p is None
-    if temperature_sample is not None and only_temperature:
-        draws = _uniforms(logits, batch.generators)
-        return SamplerOutput(temperature_sample(logits, batch.temperature, draws))
+    if fused_sample is not None and plain:
+        return SamplerOutput(_fused(fused_sample, logits, batch))
     logits = logits.float()
     raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs >= 0 else None
     if batch.penalties is not None:
@@ -119,6 +121,8 @@ def sample(
 
     if batch.all_greedy:
         tokens = argmax(logits)
+    elif fused_sample is not None:
+        tokens = _fused(fused_sample, logits, batch)
     else:
         scaled = logits / batch.temperature.clamp_min(1e-5)[:, None]
         draws = _uniforms(logits, batch.generators)
@@ -139,6 +143,11 @@ def sample(
     top_values, top_ids = raw_logprobs.topk(max(batch.max_logprobs, 1), dim=-1)
     chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0]
     return SamplerOutput(tokens, chosen, top_values, top_ids, batch.logprobs)
+
+
+def _fused(fused_sample: FusedSample, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    draws = _uniforms(logits, batch.generators)
+    return fused_sample(logits, batch.temperature, draws, batch.top_k, batch.top_p, batch.min_p)
 
 
 def _sample_filtered(logits: torch.Tensor, batch: SamplingBatch, draws: torch.Tensor) -> torch.Tensor:

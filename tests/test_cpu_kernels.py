@@ -3,6 +3,7 @@ in for: paged attention against dense causal attention (both page layouts, rotar
 or not), and the norms, activation, argmax and packed linears against their modules."""
 
 import ctypes
+import math
 import re
 
 import pytest
@@ -210,6 +211,78 @@ def test_sample_never_picks_a_token_without_probability():
     logits[:, [3, 50, 99]] = torch.tensor([1.0, 0.0, 2.0])
     for draws in (torch.rand(4000, 1), torch.zeros(4000, 1), torch.full((4000, 1), 1 - 2**-24)):
         assert set(ops.sample(logits, torch.ones(4000), draws).tolist()) <= {3, 50, 99}
+
+
+def _kept_by_rank(probs: torch.Tensor, top_k: int, top_p: float, min_p: float) -> list[int]:
+    """One row's kept tokens, by rank (probability, then index), in float64: the
+    definition the kernel's filters follow."""
+    order = sorted(range(len(probs)), key=lambda i: (-probs[i].item(), i))
+    kept, before = [], 0.0
+    for rank, i in enumerate(order):
+        p = probs[i].item()
+        if p == 0 or (rank and (rank >= top_k or before >= top_p or p < min_p * probs[order[0]].item())):
+            break
+        kept.append(i)
+        before += p
+    return kept
+
+
+# (top_k with 0 for none, top_p, min_p)
+FILTERS = st.tuples(
+    st.sampled_from([0, 1, 2, 5, 40]),
+    st.sampled_from([1.0, 0.95, 0.5, 0.05]),
+    st.sampled_from([0.0, 0.05, 0.5]),
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    vocab=st.sampled_from([5, 64, 65, 1000, 49157]),
+    temperature=st.sampled_from([0.3, 1.0, 2.0]),
+    filters=FILTERS,
+)
+def test_filtered_sample_draws_by_rank_among_the_kept_tokens(seed, vocab, temperature, filters):
+    """The same draw picks the same token as walking the kept tokens by rank in float64,
+    except where the draw, or top_p, lands within float rounding of an edge."""
+    top_k, top_p, min_p = filters
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(6, vocab, generator=g) * 4
+    draws = torch.rand(6, 1, generator=g)
+    tokens = ops.sample(
+        logits, torch.full((6,), temperature), draws, torch.full((6,), top_k or vocab),
+        torch.full((6,), top_p), torch.full((6,), min_p),
+    )  # fmt: skip
+    probs = torch.softmax(logits.double() / temperature, dim=-1)
+    for row in range(6):
+        kept = _kept_by_rank(probs[row], top_k or vocab, top_p, min_p)
+        mass = probs[row][kept].cumsum(0)
+        rank = torch.searchsorted(mass, draws[row].double() * mass[-1], right=True).clamp_max(len(kept) - 1)
+        if tokens[row] != kept[int(rank)]:
+            edges = torch.cat([torch.zeros(1, dtype=torch.double), mass / mass[-1]])
+            assert (edges - draws[row].double()).abs().min() < 1e-4 or (mass - top_p).abs().min() < 1e-5, row
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    logits=st.lists(st.sampled_from([-math.inf, -3.0, -1.0, 0.0, 0.0, 1.0, 2.5]), min_size=1, max_size=200),
+    temperature=st.sampled_from([0.5, 1.0]),
+    filters=FILTERS,
+    draw=st.sampled_from([0.0, 0.3, 0.999, 1 - 2**-24]),
+    bf16=st.booleans(),
+)
+def test_filtered_sample_only_picks_kept_tokens(logits, temperature, filters, draw, bf16):
+    """Ties, -inf and edge draws: the token is one the filters keep (ties ranked by index)."""
+    top_k, top_p, min_p = filters
+    row = torch.tensor([logits]).to(torch.bfloat16 if bf16 else torch.float32)
+    if row.isinf().all():
+        return
+    token = ops.sample(
+        row, torch.tensor([temperature]), torch.tensor([[draw]]), torch.tensor([top_k or len(logits)]),
+        torch.tensor([top_p]), torch.tensor([min_p]),
+    ).item()  # fmt: skip
+    probs = torch.softmax(row.double()[0] / temperature, dim=-1)
+    assert token in _kept_by_rank(probs, top_k or len(logits), top_p + 1e-6, min_p * (1 - 1e-6))
 
 
 def _forced(kernel: str, dtype: torch.dtype) -> LinearChoice:

@@ -27,12 +27,12 @@ def _batch(params: list[SamplingParams], outputs=None, seeds=None):
     return SamplingState(len(params), V, torch.device("cpu")).batch(requests), requests
 
 
-def _tokens(logits, batch, temperature_sample=None) -> list[int]:
-    return sample(logits, batch, temperature_sample=temperature_sample).resolve()[0]
+def _tokens(logits, batch, fused_sample=None) -> list[int]:
+    return sample(logits, batch, fused_sample=fused_sample).resolve()[0]
 
 
-# Batches that only set temperatures go through the CPU engine's fused kernel: the same
-# tests hold for it and for the torch path.
+# The CPU engine samples through its fused kernel: the same tests hold for it and for the
+# torch path.
 PATHS = [pytest.param(None, id="torch")]
 if build.compiler() is not None:
     PATHS.append(pytest.param(cpu_ops.sample, id="cpu-kernel"))
@@ -42,63 +42,66 @@ def _logits(rows: int, seed: int = 0):
     return torch.randn(rows, V, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("temperature_sample", PATHS)
-def test_greedy_is_argmax(temperature_sample):
+@pytest.mark.parametrize("fused_sample", PATHS)
+def test_greedy_is_argmax(fused_sample):
     logits = _logits(4)
     batch, _ = _batch([SamplingParams(temperature=0)] * 4)
-    assert _tokens(logits, batch, temperature_sample) == logits.argmax(-1).tolist()
+    assert _tokens(logits, batch, fused_sample) == logits.argmax(-1).tolist()
     # Greedy rows beside sampled ones still take the argmax.
     batch, _ = _batch([SamplingParams(temperature=0), SamplingParams(temperature=1.0)] * 2)
-    assert _tokens(logits, batch, temperature_sample)[::2] == logits.argmax(-1)[::2].tolist()
+    assert _tokens(logits, batch, fused_sample)[::2] == logits.argmax(-1)[::2].tolist()
 
 
-def test_top_k_1_and_tiny_top_p_are_greedy():
+@pytest.mark.parametrize("fused_sample", PATHS)
+def test_top_k_1_and_tiny_top_p_are_greedy(fused_sample):
     logits = _logits(4, seed=1)
     params = [SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=1.0, top_p=1e-6)] * 2
     batch, _ = _batch(params)
-    assert _tokens(logits, batch) == logits.argmax(-1).tolist()
+    assert _tokens(logits, batch, fused_sample) == logits.argmax(-1).tolist()
 
 
-def test_top_k_restricts_support():
+@pytest.mark.parametrize("fused_sample", PATHS)
+def test_top_k_restricts_support(fused_sample):
     logits = _logits(1, seed=2).repeat(200, 1)
     batch, _ = _batch([SamplingParams(temperature=2.0, top_k=3)] * 200)
     allowed = set(logits[0].topk(3).indices.tolist())
-    tokens = set(_tokens(logits, batch))
+    tokens = set(_tokens(logits, batch, fused_sample))
     assert tokens <= allowed and len(tokens) > 1
 
 
-def test_min_p_restricts_support():
+@pytest.mark.parametrize("fused_sample", PATHS)
+def test_min_p_restricts_support(fused_sample):
     logits = torch.full((300, V), -10.0)
     logits[:, 7] = 5.0
     logits[:, 8] = 4.5  # p ~ 0.38, kept by min_p=0.3 relative to the top token
     logits[:, 9] = 2.0  # p ~ 0.03 of the top: dropped
     batch, _ = _batch([SamplingParams(temperature=1.0, min_p=0.3)] * 300)
-    assert set(_tokens(logits, batch)) == {7, 8}
+    assert set(_tokens(logits, batch, fused_sample)) == {7, 8}
 
 
-@pytest.mark.parametrize("temperature_sample", PATHS)
-def test_seeded_rows_are_reproducible_whatever_the_batch(temperature_sample):
+@pytest.mark.parametrize("fused_sample", PATHS)
+def test_seeded_rows_are_reproducible_whatever_the_batch(fused_sample):
     logits = _logits(1, seed=3)
     p = SamplingParams(temperature=1.0, seed=123)
     alone, _ = _batch([p], seeds={0: 123})
-    first = [_tokens(logits, alone, temperature_sample)[0] for _ in range(5)]
+    first = [_tokens(logits, alone, fused_sample)[0] for _ in range(5)]
     again, _ = _batch([p], seeds={0: 123})
-    second = [_tokens(logits, again, temperature_sample)[0] for _ in range(5)]
+    second = [_tokens(logits, again, fused_sample)[0] for _ in range(5)]
     mixed, _ = _batch([SamplingParams(temperature=1.0), p], seeds={1: 123})
-    third = [_tokens(logits.repeat(2, 1), mixed, temperature_sample)[1] for _ in range(5)]
-    # A top-p neighbour sends the batch down the torch path; the seeded row draws the same.
+    third = [_tokens(logits.repeat(2, 1), mixed, fused_sample)[1] for _ in range(5)]
+    # A top-p neighbour changes what the batch filters; the seeded row draws the same.
     with_top_p, _ = _batch([SamplingParams(temperature=1.0, top_p=0.5), p], seeds={1: 123})
-    fourth = [_tokens(logits.repeat(2, 1), with_top_p, temperature_sample)[1] for _ in range(5)]
+    fourth = [_tokens(logits.repeat(2, 1), with_top_p, fused_sample)[1] for _ in range(5)]
     assert first == second == third == fourth
     assert len(set(first)) > 1
 
 
-@pytest.mark.parametrize("temperature_sample", PATHS)
-def test_sampling_follows_the_distribution(temperature_sample):
+@pytest.mark.parametrize("fused_sample", PATHS)
+def test_sampling_follows_the_distribution(fused_sample):
     probs = torch.tensor([0.6, 0.3, 0.1] + [0.0] * (V - 3))
     logits = probs.clamp_min(1e-30).log().repeat(4000, 1)
     batch, _ = _batch([SamplingParams(temperature=1.0)] * 4000)
-    tokens = torch.tensor(_tokens(logits, batch, temperature_sample))
+    tokens = torch.tensor(_tokens(logits, batch, fused_sample))
     freq = torch.bincount(tokens, minlength=V)[:3].float() / 4000
     assert torch.allclose(freq, probs[:3], atol=0.03)
 
@@ -242,17 +245,31 @@ def test_filtered_sampling_follows_the_filtered_distribution(candidates, monkeyp
     whole vocabulary: each row's tokens follow _filtered_probs, and an unfiltered row in
     the same batch follows its softmax."""
     monkeypatch.setattr(sampler, "CANDIDATES", candidates)
+    _check_filtered_distribution(None)
+
+
+@pytest.mark.skipif(build.compiler() is None, reason="no C compiler: the CPU kernels are not built")
+@pytest.mark.parametrize("penalised", [False, True])
+def test_fused_filtered_sampling_follows_the_filtered_distribution(penalised):
+    """The same through the CPU engine's kernel, alone or after penalties (which leave
+    these logits as they are: nothing has been generated)."""
+    _check_filtered_distribution(cpu_ops.sample, penalised)
+
+
+def _check_filtered_distribution(fused_sample, penalised: bool = False) -> None:
+    penalty = dict(presence_penalty=0.5) if penalised else {}
     probs = torch.tensor([0.35, 0.25, 0.2, 0.1, 0.06, 0.04] + [0.0] * (V - 6))
     logits = probs.clamp_min(1e-30).log().repeat(4, 1)
     params = [
-        SamplingParams(temperature=1.0, top_p=0.75),  # keeps 3 tokens
-        SamplingParams(temperature=1.0, top_k=4),
-        SamplingParams(temperature=1.0, min_p=0.2),  # keeps 4 (0.06 < 0.2 * 0.35)
-        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=1.0, top_p=0.75, **penalty),  # keeps 3 tokens
+        SamplingParams(temperature=1.0, top_k=4, **penalty),
+        SamplingParams(temperature=1.0, min_p=0.2, **penalty),  # keeps 4 (0.06 < 0.2 * 0.35)
+        SamplingParams(temperature=1.0, **penalty),
     ]
     batch, _ = _batch(params)
+    assert (batch.penalties is not None) == penalised
     draws = 4000
-    tokens = torch.tensor([_tokens(logits, batch) for _ in range(draws)])
+    tokens = torch.tensor([_tokens(logits, batch, fused_sample) for _ in range(draws)])
     for row, p in enumerate(params):
         one = _filters(1, V, p.top_k or V, p.top_p if p.top_p < 1 else None, p.min_p or None)
         expected = _filtered_probs(logits[:1], one)[0]

@@ -26,10 +26,9 @@ class Backend:
     # decode step can be captured once and replayed with new tensor contents.
     graph_safe: bool
     # Sampling kernels for the backend's device, None where torch's ops serve (see
-    # replica/sampler.py): logits [B, V] -> tokens [B], and (logits, temperatures [B],
-    # draws [B, 1]) -> tokens [B].
+    # replica/sampler.py): logits [B, V] -> tokens [B], and sampler.FusedSample.
     argmax: Callable | None = None
-    temperature_sample: Callable | None = None
+    fused_sample: Callable | None = None
 
 
 def load_backend(name: str) -> Backend:
@@ -45,7 +44,7 @@ def load_backend(name: str) -> Backend:
             kv_cache_shape,
             graph_safe=False,
             argmax=cpu_backend.argmax,
-            temperature_sample=cpu_backend.temperature_sample,
+            fused_sample=cpu_backend.fused_sample,
         )
     if name == "triton":
         from replica.attention.triton_backend import triton_paged_attention

@@ -15,7 +15,7 @@ from replica.cpu import ops
 # The sampling kernels the engine takes from this backend: they read bf16 logits without
 # widening them to fp32 first.
 argmax = ops.argmax
-temperature_sample = ops.sample
+fused_sample = ops.sample
 
 
 def cpu_paged_attention(

@@ -18,7 +18,7 @@ static inline __m512 bf16_round(__m512 x) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
 }
 
-/* exp_clamped (kernels.c) on 16 lanes: exp(x) within 2 ulp for x in [-87, 88], clamped
+/* exp_clamped (scalar.h) on 16 lanes: exp(x) within 2 ulp for x in [-87, 88], clamped
  * outside. */
 static inline __m512 exp512(__m512 x) {
     x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));

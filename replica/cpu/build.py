@@ -1,5 +1,5 @@
-"""Build the C kernels (kernels.c, attention.c, attention_paired.c, gemm.c, gemm_int8.c,
-gemm_group.c, decoder.c) once per machine and load them with ctypes, bound as
+"""Build the C kernels (kernels.c, sampling.c, attention.c, attention_paired.c, gemm.c,
+gemm_int8.c, gemm_group.c, decoder.c) once per machine and load them with ctypes, bound as
 kvserve_abi.h declares them.
 
 The library is compiled for the CPU it runs on (-march=native), so it is built where it
@@ -26,6 +26,7 @@ SOURCES = [
     Path(__file__).with_name(name)
     for name in (
         "kernels.c",
+        "sampling.c",
         "attention.c",
         "attention_paired.c",
         "gemm.c",
@@ -139,7 +140,7 @@ SIGNATURES = {
     "rms_norm": ([_p, _p, _p, _p, _i64, _i32, _f32, _i32, _i32], None),
     "silu_mul": ([_p, _p, _i64, _i32, _i32, _i32], None),
     "argmax_rows": ([_p, _p, _i64, _i64, _i32, _i32], None),
-    "sample_rows": ([_p, _p, _p, _p, _i64, _i64, _i32, _i32], None),
+    "sample_rows": ([_p, _p, _p, _p, _p, _p, _p, _i64, _i64, _i32, _i32], None),
     "rotary_embed": ([_p, _p, _i64, _i64, _p, _p, _i64, _i32, _i32, _i32, _i32], None),
     "paged_attention": (
         [

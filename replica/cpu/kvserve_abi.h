@@ -69,11 +69,14 @@ typedef struct {
 void rms_norm(void* out, const void* x, void* residual, const void* weight, int64_t rows, int n, float eps,
               int is_bf16, int num_threads);
 void silu_mul(void* out, const void* gate_up, int64_t rows, int n, int is_bf16, int num_threads);
-void argmax_rows(int64_t* out, const void* x, int64_t rows, int64_t n, int is_bf16, int num_threads);
-void sample_rows(int64_t* out, const void* x, const float* inv_temperature, const float* draws, int64_t rows,
-                 int64_t n, int is_bf16, int num_threads);
 void rotary_embed(void* out, const void* x, int64_t stride_t, int64_t stride_h, const void* cos, const void* sin,
                   int64_t rows, int heads, int D, int is_bf16, int num_threads);
+
+/* sampling.c */
+void argmax_rows(int64_t* out, const void* x, int64_t rows, int64_t n, int is_bf16, int num_threads);
+void sample_rows(int64_t* out, const void* x, const float* inv_temperature, const int64_t* top_k,
+                 const float* top_p, const float* min_p, const float* draws, int64_t rows, int64_t n, int is_bf16,
+                 int num_threads);
 
 /* attention.c: one layer's attention over a packed step (rotary when cos is not NULL,
  * the KV write, then causal attention of every query row over its sequence's cache).

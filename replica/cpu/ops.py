@@ -1,4 +1,4 @@
-"""Tensor-level wrappers around the compiled CPU kernels (kernels.c, attention.c, gemm.c).
+"""Tensor-level wrappers around the compiled CPU kernels (kernels.c, sampling.c, attention.c, gemm.c).
 
 Each wrapper checks what the C code assumes (CPU, fp32 or bf16, unit stride in the last
 dimension) and passes raw pointers. ctypes releases the GIL for the call.
@@ -158,17 +158,29 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def sample(logits: torch.Tensor, temperature: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
-    """Tokens drawn from softmax(logits / temperature) by inverse CDF, one uniform draw in
-    [0, 1) per row; argmax where the temperature is 0. logits: [B, V] fp32 or bf16."""
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    draws: torch.Tensor,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Tokens drawn by inverse CDF from softmax(logits / temperature), one uniform draw in
+    [0, 1) per row; argmax where the temperature is 0. A row with top_k (V or more: none),
+    top_p (1: none) or min_p (0: none) draws by rank among its kept tokens, as
+    sampler.py's candidates do. logits: [B, V] fp32 or bf16."""
     logits = logits.contiguous()
     inv_temperature = torch.where(temperature > 0, 1.0 / temperature.clamp_min(1e-5), 0.0)
     inv_temperature = inv_temperature.float().contiguous()
     draws = draws.reshape(-1).float().contiguous()
+    top_k = None if top_k is None else top_k.to(torch.int64).contiguous()
+    top_p, min_p = (None if t is None else t.float().contiguous() for t in (top_p, min_p))
     out = torch.empty(logits.shape[0], dtype=torch.long)
     load_library().sample_rows(
-        out.data_ptr(), logits.data_ptr(), inv_temperature.data_ptr(), draws.data_ptr(),
-        logits.shape[0], logits.shape[1], _is_bf16(logits), torch.get_num_threads(),
+        out.data_ptr(), logits.data_ptr(), inv_temperature.data_ptr(), _ptr(top_k), _ptr(top_p), _ptr(min_p),
+        draws.data_ptr(), logits.shape[0], logits.shape[1], _is_bf16(logits),
+        torch.get_num_threads(),
     )  # fmt: skip
     return out
 
