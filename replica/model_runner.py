@@ -43,7 +43,7 @@ from replica.cpu.affinity import CorePlan
 from replica.cpu.decoder import PACKABLE_DTYPES, optimize_for_cpu
 from replica.cpu.kernel_choice import KernelChooser, shares_work
 from replica.cpu.layers import PackedLinear
-from replica.cpu.linear_kernels import FP32_SHARING_KERNELS
+from replica.cpu.linear_kernels import FP32_SHARING_KERNELS, GROUP_SHARING_KERNELS
 from replica.cuda_graphs import DecodeGraphRunner
 from replica.devices import resolve_device, resolve_dtype
 from replica.gguf_blocks import attach_gguf_weights
@@ -332,13 +332,14 @@ class ModelRunner:
                 logger.info("CUDA graphs off: the %s attention backend cannot be captured", name)
 
     def kernels_share_work(self, max_rows: int) -> bool:
-        """Whether, in an fp32 model, kernels whose threads take work as they come free
-        (linear_kernels.FP32_SHARING_KERNELS) run most of every step's linear time up to
-        max_rows rows (kernel_choice.shares_work): then a pinned replica can run on every
-        core, the serving processes' moments on one of them slowing mostly that core's
-        share (replica/cpu/affinity.py)."""
+        """Whether kernels whose threads take work as they come free (the group kernels,
+        and in an fp32 model linear_kernels.FP32_SHARING_KERNELS) run most of every step's
+        linear time up to max_rows rows (kernel_choice.shares_work): then a pinned replica
+        can run on every core, the serving processes' moments on one of them slowing
+        mostly that core's share (replica/cpu/affinity.py)."""
         choices = [m.choice for m in self.model.modules() if isinstance(m, PackedLinear)]
-        return self.dtype == torch.float32 and shares_work(choices, max_rows, FP32_SHARING_KERNELS)
+        sharing = GROUP_SHARING_KERNELS + (FP32_SHARING_KERNELS if self.dtype == torch.float32 else ())
+        return shares_work(choices, max_rows, sharing)
 
     @property
     def bytes_per_block(self) -> int:

@@ -129,6 +129,27 @@ def test_group_kernels_match_their_references(fmt, rows, n, blocks, with_bias, s
 
 
 @needs_kernels
+@pytest.mark.parametrize("rows", [1, 5])
+def test_group_kernels_compute_every_column_once_whatever_the_threads(rows):
+    """The threads take panels from the front of their own share and then from the back of
+    the others': with more threads than cores most panels change hands, and every column
+    comes out as one thread computes it (1000 columns: a part panel and a part quad)."""
+    g = torch.Generator().manual_seed(0)
+    w = group_quant.quantize(torch.randn(1000, 256, generator=g), "q4g32m")
+    x = torch.randn(rows, 256, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        for quantized_x in (False, True):
+            torch.set_num_threads(1)
+            alone = group_quant.gemm_group(x, w, None, quantized_x)
+            for n in (2, 3, 8):
+                torch.set_num_threads(n)
+                assert torch.equal(group_quant.gemm_group(x, w, None, quantized_x), alone), (n, quantized_x)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kernel", [linear_kernels.GROUP_GEMM_C, linear_kernels.GROUP_Q8_GEMM_C])
 @pytest.mark.parametrize("gated", [False, True])
@@ -228,6 +249,13 @@ def test_the_bundled_models_blocks_run_as_they_are(gguf_fp32, model_path):
     ours = fused.mlps[3].down.layout(linear_kernels.GROUP_GEMM_C)[0]
     raw = np.asarray(down.data).reshape(ours.shape[0], -1, 20)
     assert np.array_equal(ours.qs.numpy().reshape(ours.shape[0], -1, 16), raw[..., 4:])
+
+
+@needs_kernels
+def test_a_gguf_model_on_the_group_kernels_shares_its_work(gguf_fp32):
+    """Their threads take what is left of the others' shares, so a pinned replica runs every
+    step on every core (replica/cpu/affinity.py)."""
+    assert gguf_fp32.engine.kernels_share_work()
 
 
 def gguf_blocks_source(model_path):

@@ -15,7 +15,7 @@ linear time (ModelRunner.kernels_share_work), "auto" gives the engine every core
 step: the serving processes' moments on a core slow only that thread's share of each
 step, and the rest of that core's time is the engine's (the commit that made it so has
 the served measurements). Where kernels with a fixed share per thread (oneDNN, torch,
-gemm.c's bf16 kernel, the group kernels) run most of it, the plan above holds: there a
+gemm.c's bf16 kernel) run most of it, the plan above holds: there a
 thread held up on the shared core holds up most of every step."""
 
 import contextlib

@@ -14,8 +14,11 @@
  * 8: [n][k] int8 (group a multiple of 8).
  *
  * Columns go to threads in panels of Q_PANEL, each thread a contiguous share of them: two
- * threads taking small panels in turn read memory at a third of the speed. Rows go in
- * tiles of Q_TILE_ROWS, whose weights are unpacked once per tile. */
+ * threads taking small panels in turn read memory at a third of the speed. A thread that
+ * finishes its share takes the panels still left at the back of another's, so a thread
+ * whose core the serving processes take for a moment holds up only part of its share
+ * (Share). Rows go in tiles of Q_TILE_ROWS, whose weights are unpacked once per tile. */
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -62,17 +65,62 @@ static inline float hsum256(__m256 v) {
         }                                                                                          \
     } while (0)
 
-/* Every column of y in panels of Q_PANEL, the threads taking contiguous shares, each
- * column's rows in tiles of up to Q_TILE_ROWS: DISPATCH(tile, ...) for each. */
-#define FOR_EACH_TILE(tile, ...)                                                          \
-    _Pragma("omp parallel for num_threads(num_threads) schedule(static)")                \
-    for (int64_t p = 0; p < (n + Q_PANEL - 1) / Q_PANEL; p++) {                           \
-        const int64_t end = (p + 1) * Q_PANEL < n ? (p + 1) * Q_PANEL : n;                \
-        for (int64_t r0 = 0; r0 < m; r0 += Q_TILE_ROWS) {                                 \
-            const int rows = m - r0 < Q_TILE_ROWS ? (int)(m - r0) : Q_TILE_ROWS;          \
-            for (int64_t j = p * Q_PANEL; j < end; j++) DISPATCH(tile, __VA_ARGS__);      \
-        }                                                                                 \
+/* Units of work (panels of columns) dealt out as contiguous shares, one per thread, in
+ * one cache line each: the owner takes its units from the front, and a thread whose own
+ * share is done takes units from the back of the others'. Each thread still streams
+ * its columns in order, and only the ends of the shares change hands. */
+typedef struct {
+    uint64_t span; /* the units [front, back) left: front in the low 32 bits, back in the high */
+    char pad[56];
+} Share;
+
+static Share* deal_shares(int64_t units, int shares) {
+    Share* s = (Share*)aligned_alloc(64, sizeof(Share) * (size_t)shares);
+    for (int t = 0; t < shares; t++)
+        s[t].span = (uint64_t)(units * t / shares) | ((uint64_t)(units * (t + 1) / shares) << 32);
+    return s;
+}
+
+static inline int64_t take_unit(Share* share, int from_back) {
+    uint64_t span = __atomic_load_n(&share->span, __ATOMIC_RELAXED);
+    for (;;) {
+        const uint64_t front = span & 0xFFFFFFFFu, back = span >> 32;
+        if (front >= back) return -1;
+        const uint64_t next = from_back ? front | ((back - 1) << 32) : (front + 1) | (back << 32);
+        if (__atomic_compare_exchange_n(&share->span, &span, next, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+            return (int64_t)(from_back ? back - 1 : front);
     }
+}
+
+/* The calling thread's next unit: its own share's front, then the backs of the others' in
+ * turn; -1 when every share is done. *victim starts at the thread's own share. */
+static inline int64_t next_unit(Share* shares, int num_shares, int own, int* victim) {
+    for (;;) {
+        const int64_t unit = take_unit(&shares[*victim], *victim != own);
+        if (unit >= 0) return unit;
+        *victim = (*victim + 1) % num_shares;
+        if (*victim == own) return -1;
+    }
+}
+
+/* Every column of y in panels of Q_PANEL, shared out as above, each column's rows in
+ * tiles of up to Q_TILE_ROWS: DISPATCH(tile, ...) for each. */
+#define FOR_EACH_TILE(tile, ...)                                                           \
+    do {                                                                                   \
+        Share* shares = deal_shares((n + Q_PANEL - 1) / Q_PANEL, num_threads);             \
+        _Pragma("omp parallel num_threads(num_threads)") {                                 \
+            const int own = omp_get_thread_num();                                          \
+            int victim = own;                                                              \
+            for (int64_t p; (p = next_unit(shares, num_threads, own, &victim)) >= 0;) {    \
+                const int64_t end = (p + 1) * Q_PANEL < n ? (p + 1) * Q_PANEL : n;         \
+                for (int64_t r0 = 0; r0 < m; r0 += Q_TILE_ROWS) {                          \
+                    const int rows = m - r0 < Q_TILE_ROWS ? (int)(m - r0) : Q_TILE_ROWS;   \
+                    for (int64_t j = p * Q_PANEL; j < end; j++) DISPATCH(tile, __VA_ARGS__); \
+                }                                                                          \
+            }                                                                              \
+        }                                                                                  \
+        free(shares);                                                                      \
+    } while (0)
 
 static inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 
@@ -308,19 +356,28 @@ static inline __attribute__((always_inline)) void columns_q8_one_row(
     for (int c = 0; c < Q_COLUMNS; c++) y[j + c] = out[c] + tail[c] + (bias ? bias[j + c] : 0.0f);
 }
 
-/* y [1, n]: each thread a contiguous share of the columns, Q_COLUMNS at a time, the last
- * few by column_tile_q8. */
+/* y [1, n]: the columns Q_COLUMNS at a time, in panels of Q_PANEL shared out as above,
+ * the last few by column_tile_q8. */
 static void one_row_q8(float* y, const int8_t* xq, const float* xd, const float* xsum, const uint8_t* qs,
                        const uint16_t* scales, const uint16_t* mins, const float* bias, int64_t n, int64_t k,
                        int group, int bits, int num_threads) {
-    const int64_t quads = n / Q_COLUMNS;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t q = 0; q < quads; q++) {
-        if (bits == 4)
-            columns_q8_one_row(y, xq, xd, xsum, qs, scales, mins, bias, q * Q_COLUMNS, n, k, group, 4);
-        else
-            columns_q8_one_row(y, xq, xd, xsum, qs, scales, mins, bias, q * Q_COLUMNS, n, k, group, 8);
+    const int64_t quads = n / Q_COLUMNS, quads_per_panel = Q_PANEL / Q_COLUMNS;
+    Share* shares = deal_shares((quads + quads_per_panel - 1) / quads_per_panel, num_threads);
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int own = omp_get_thread_num();
+        int victim = own;
+        for (int64_t p; (p = next_unit(shares, num_threads, own, &victim)) >= 0;) {
+            const int64_t end = (p + 1) * quads_per_panel < quads ? (p + 1) * quads_per_panel : quads;
+            for (int64_t q = p * quads_per_panel; q < end; q++) {
+                if (bits == 4)
+                    columns_q8_one_row(y, xq, xd, xsum, qs, scales, mins, bias, q * Q_COLUMNS, n, k, group, 4);
+                else
+                    columns_q8_one_row(y, xq, xd, xsum, qs, scales, mins, bias, q * Q_COLUMNS, n, k, group, 8);
+            }
+        }
     }
+    free(shares);
     for (int64_t j = quads * Q_COLUMNS; j < n; j++)
         column_tile_q8(y, xq, xd, xsum, qs, scales, mins, bias, 0, 1, j, n, k, group, bits);
 }

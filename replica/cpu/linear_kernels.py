@@ -27,12 +27,14 @@ GROUP_GEMM_C, GROUP_Q8_GEMM_C, GROUP_TORCH, GROUP_DEQUANT = (
 LINEAR_KERNELS = (GEMM_C, ONEDNN, TORCH)
 INT8_KERNELS = (INT8_GEMM_C, INT8_TORCH)
 GROUP_KERNELS = (GROUP_GEMM_C, GROUP_Q8_GEMM_C, GROUP_TORCH, GROUP_DEQUANT)
-# The kernels whose threads take panels as they come free in an fp32 model (gemm.c's fp32
-# kernel, gemm_int8.c), so that a thread whose core is taken for a moment holds up only
-# its own panels. oneDNN and torch give each thread a fixed share; so do gemm.c's bf16
-# kernel (a thread's panels stay in its cache between row chunks) and the group kernels
-# (each thread's columns one contiguous stream, which a 1-row step reads faster).
+# The kernels whose threads take panels as they come free, so that a thread whose core is
+# taken for a moment holds up only its own panels: in an fp32 model gemm.c's fp32 kernel
+# and gemm_int8.c, and in any model gemm_group.c's (each thread streams its own share of
+# the columns and then takes what is left at the back of the others'). oneDNN and torch
+# give each thread a fixed share; so does gemm.c's bf16 kernel (a thread's panels stay in
+# its cache between row chunks).
 FP32_SHARING_KERNELS = (GEMM_C, INT8_GEMM_C)
+GROUP_SHARING_KERNELS = (GROUP_GEMM_C, GROUP_Q8_GEMM_C)
 Weight = torch.Tensor | int8.Int8Weight | GroupQuantWeight | TorchInt4Weight
 
 
