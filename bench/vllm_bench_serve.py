@@ -50,6 +50,8 @@ def bench_serve(
     total = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     client_cpu = total - (cpu_before_main or 0.0)
     result = {"concurrency": concurrency, "num_prompts": num_prompts, **{k: raw.get(k) for k in KEYS}}
+    if raw.get("failed"):  # what the failed requests returned, for the record
+        result["errors"] = sorted({error for error in raw.get("errors", []) if error})[:3]
     result["client_cpu_s"] = client_cpu
     result["client_share_of_machine"] = client_cpu / (raw["duration"] * os.cpu_count())
     return result
