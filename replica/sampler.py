@@ -152,7 +152,7 @@ def _fused(fused_sample: FusedSample, logits: torch.Tensor, batch: SamplingBatch
 
 def _sample_filtered(logits: torch.Tensor, batch: SamplingBatch, draws: torch.Tensor) -> torch.Tensor:
     """Tokens [B] drawn from the distribution _filtered_probs gives each row. Rows without
-    a filter draw in vocabulary order, as the fused temperature kernel does, so a seeded row
+    a filter draw in vocabulary order, as the fused kernel's do, so a seeded row
     draws the same whatever its neighbours ask for; filtered rows draw by rank among their
     kept tokens."""
     filtered = _filtered_rows(batch, logits)

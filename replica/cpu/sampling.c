@@ -69,6 +69,25 @@ static int by_rank(const void* a, const void* b) {
 
 static inline int heavy(float w, float threshold) { return threshold > 0.0f ? w >= threshold : w > 0.0f; }
 
+/* How many tokens weigh at least `threshold` (0: more than 0), and their mass; written to
+ * cand where it is not NULL. Only chunks whose peak reaches the threshold are read. */
+static int64_t heavy_tokens(const float* w, const float* peaks, int64_t n, float threshold, Candidate* cand,
+                            double* mass) {
+    int64_t count = 0;
+    double sum = 0.0;
+    for (int64_t c = 0; c < (n + SAMPLE_CHUNK - 1) / SAMPLE_CHUNK; c++) {
+        if (!heavy(peaks[c], threshold)) continue;
+        const int64_t end = (c + 1) * SAMPLE_CHUNK < n ? (c + 1) * SAMPLE_CHUNK : n;
+        for (int64_t i = c * SAMPLE_CHUNK; i < end; i++) {
+            if (!heavy(w[i], threshold)) continue;
+            if (cand) cand[count] = (Candidate){w[i], (int32_t)i};
+            count++, sum += w[i];
+        }
+    }
+    if (mass) *mass = sum;
+    return count;
+}
+
 /* w [n]: a row's weights, its top token's 1 (exp(0)), total their sum; peaks: each
  * SAMPLE_CHUNK's heaviest. The kept tokens are a prefix by rank: rank r is kept while
  * r < top_k (top_k 0: no limit), the weight ranked before it is under top_p of the total,
@@ -76,32 +95,19 @@ static inline int heavy(float w, float threshold) { return threshold > 0.0f ? w 
  * picks among them by rank, as the torch path's candidates do. */
 static int64_t filtered_pick(const float* w, const float* peaks, int64_t n, float total, int64_t top_k, float top_p,
                              float min_p, float draw) {
-    const int64_t num_chunks = (n + SAMPLE_CHUNK - 1) / SAMPLE_CHUNK;
     const double limit = top_p < 1.0f ? (double)top_p * total : INFINITY;
     float threshold = 0.0f;
     int64_t count = 0;
     for (size_t t = 0; t < sizeof(THRESHOLDS) / sizeof(float); t++) {
         threshold = THRESHOLDS[t];
-        count = 0;
-        double mass = 0.0;
-        for (int64_t c = 0; c < num_chunks; c++) {
-            if (!heavy(peaks[c], threshold)) continue;
-            const int64_t end = (c + 1) * SAMPLE_CHUNK < n ? (c + 1) * SAMPLE_CHUNK : n;
-            for (int64_t i = c * SAMPLE_CHUNK; i < end; i++)
-                if (heavy(w[i], threshold)) count++, mass += w[i];
-        }
+        double mass;
+        count = heavy_tokens(w, peaks, n, threshold, NULL, &mass);
         /* (mass a hair over the limit: the prefix sums below add in another order) */
         if (threshold == 0.0f || (top_k > 0 && count >= top_k) || mass >= limit * (1.0 + 1e-6) || threshold <= min_p)
             break;
     }
     Candidate* cand = (Candidate*)malloc(sizeof(Candidate) * (size_t)(count > 0 ? count : 1));
-    int64_t held = 0;
-    for (int64_t c = 0; c < num_chunks; c++) {
-        if (!heavy(peaks[c], threshold)) continue;
-        const int64_t end = (c + 1) * SAMPLE_CHUNK < n ? (c + 1) * SAMPLE_CHUNK : n;
-        for (int64_t i = c * SAMPLE_CHUNK; i < end; i++)
-            if (heavy(w[i], threshold)) cand[held++] = (Candidate){w[i], (int32_t)i};
-    }
+    const int64_t held = heavy_tokens(w, peaks, n, threshold, cand, NULL);
     qsort(cand, (size_t)held, sizeof(Candidate), by_rank);
     int64_t kept = 0;
     double before = 0.0;
