@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 from kvcache import KVCacheManager
 from replica.config import EngineConfig
 from replica.constraints import edit_logits
-from replica.cpu.affinity import CorePlan
+from replica.cpu.affinity import BURST_MIN_TOKENS, CorePlan
 from replica.engine_stats import EngineStats
 from replica.input_processor import InputProcessor
 from replica.lora.adapter_files import LoRAAdapterError
@@ -318,11 +318,14 @@ class Engine:
         """Where the model runs: "cpu" or "cuda"."""
         return self.runner.device.type
 
-    def kernels_share_work(self) -> bool:
-        """Whether every linear of a decode step runs a kernel whose threads take work as
-        they come free (ModelRunner.kernels_share_work; not with tensor parallelism)."""
+    def rows_sharing_work(self) -> int:
+        """Up to how many tokens a step runs mostly on kernels whose threads take work as
+        they come free (ModelRunner.rows_sharing_work), counted up to a burst's size
+        (affinity.BURST_MIN_TOKENS); 0 with tensor parallelism."""
         runner = self.runner
-        return isinstance(runner, ModelRunner) and runner.kernels_share_work(self.config.max_num_seqs)
+        if not isinstance(runner, ModelRunner):
+            return 0
+        return runner.rows_sharing_work(BURST_MIN_TOKENS - 1)
 
     def pin_to_cores(self, plan: CorePlan) -> None:
         """Run each eager step on the plan's cores (the caller pins the process itself)."""

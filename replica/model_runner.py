@@ -11,7 +11,6 @@ collectives join them, and only rank 0 gets logits. Sending each step to the oth
 ranks is the job of rank 0's TensorParallelRunner, which wraps this one.
 """
 
-import contextlib
 import logging
 
 import torch
@@ -41,7 +40,7 @@ from replica.config import EngineConfig
 from replica.cpu import ops as cpu_ops
 from replica.cpu.affinity import CorePlan
 from replica.cpu.decoder import PACKABLE_DTYPES, optimize_for_cpu
-from replica.cpu.kernel_choice import KernelChooser, shares_work
+from replica.cpu.kernel_choice import KernelChooser, sharing_rows
 from replica.cpu.layers import PackedLinear
 from replica.cpu.linear_kernels import FP32_SHARING_KERNELS, GROUP_SHARING_KERNELS
 from replica.cuda_graphs import DecodeGraphRunner
@@ -331,15 +330,15 @@ class ModelRunner:
             else:
                 logger.info("CUDA graphs off: the %s attention backend cannot be captured", name)
 
-    def kernels_share_work(self, max_rows: int) -> bool:
-        """Whether kernels whose threads take work as they come free (the group kernels,
-        and in an fp32 model linear_kernels.FP32_SHARING_KERNELS) run most of every step's
-        linear time up to max_rows rows (kernel_choice.shares_work): then a pinned replica
-        can run on every core, the serving processes' moments on one of them slowing
-        mostly that core's share (replica/cpu/affinity.py)."""
+    def rows_sharing_work(self, max_rows: int) -> int:
+        """Up to how many rows (at most max_rows) kernels whose threads take work as they
+        come free (the group kernels, and in an fp32 model linear_kernels.FP32_SHARING_KERNELS)
+        run most of every step's linear time (kernel_choice.sharing_rows): a pinned replica
+        runs those steps on every core, the serving processes' moments on one of them
+        slowing mostly that core's share (replica/cpu/affinity.py)."""
         choices = [m.choice for m in self.model.modules() if isinstance(m, PackedLinear)]
         sharing = GROUP_SHARING_KERNELS + (FP32_SHARING_KERNELS if self.dtype == torch.float32 else ())
-        return shares_work(choices, max_rows, sharing)
+        return sharing_rows(choices, max_rows, sharing)
 
     @property
     def bytes_per_block(self) -> int:
@@ -347,7 +346,7 @@ class ModelRunner:
 
     def use_cores(self, plan: CorePlan) -> None:
         """For a serving replica that pins its threads: each eager step runs on the
-        plan's cores for its size (a burst of prefill on more of them)."""
+        plan's cores for its size."""
         self.cores = plan
 
     async def check_alive(self) -> None:
@@ -485,10 +484,9 @@ class ModelRunner:
             hidden = hidden if len(sample_rows) == len(token_ids) else hidden[sample_rows]
         else:
             rows, order = rows_to_keep(query_lens, sample_rows, prompt_rows)
-            with self.cores.for_step(sum(query_lens)) if self.cores else contextlib.nullcontext():
-                hidden = self._forward_packed(token_ids, context_lens, block_tables, fill, rows, lora_slots)[
-                    0
-                ]
+            if self.cores is not None:
+                self.cores.pin_for_step(sum(query_lens))
+            hidden = self._forward_packed(token_ids, context_lens, block_tables, fill, rows, lora_slots)[0]
             if order is not None:
                 hidden = hidden[torch.tensor(order, dtype=torch.long, device=hidden.device)]
         if not sample_rows and not prompt_rows:

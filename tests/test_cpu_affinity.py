@@ -1,6 +1,6 @@
-"""A pinned serving replica's cores (replica/cpu/affinity.py): its steady cores for
-ordinary steps (every core where its kernels share work), every core of the process for
-bursts of prefill, and back after."""
+"""A pinned serving replica's cores (replica/cpu/affinity.py): every core of the process
+for bursts of prefill and for steps whose kernels share work, its steady cores for the
+others."""
 
 import contextlib
 import os
@@ -12,6 +12,7 @@ import torch
 from conftest import hf_greedy
 
 from kvserve import LLM, SamplingParams
+from replica.cpu import affinity
 from replica.cpu.affinity import BURST_MIN_TOKENS, CorePlan, pin_process
 from replica.cpu.ops import f32_gemm_available
 
@@ -34,12 +35,15 @@ def test_auto_bursts_onto_every_core_and_a_list_of_cores_is_kept_to():
     plan = CorePlan.resolve("auto")
     assert plan.steady == (USABLE[1:] or USABLE)
     assert plan.burst == USABLE
-    # Kernels that share work out as threads come free run every step on every core.
-    plan = CorePlan.resolve("auto", kernels_share_work=True)
-    assert plan.steady == plan.burst == USABLE
-    for shares in (False, True):
-        plan = CorePlan.resolve([USABLE[-1]], kernels_share_work=shares)
+    sizes = (1, BURST_MIN_TOKENS - 1, BURST_MIN_TOKENS)
+    assert [plan.cores_for(n) for n in sizes] == [plan.steady, plan.steady, USABLE]
+    # Steps whose kernels share work out as threads come free run on every core.
+    plan = CorePlan.resolve("auto", shared_rows=16)
+    assert [plan.cores_for(n) for n in (1, 16, 17, BURST_MIN_TOKENS)] == [USABLE, USABLE, plan.steady, USABLE]
+    for shared_rows in (0, 16):
+        plan = CorePlan.resolve([USABLE[-1]], shared_rows=shared_rows)
         assert plan.steady == plan.burst == [USABLE[-1]]
+        assert {tuple(plan.cores_for(n)) for n in (1, 17, BURST_MIN_TOKENS)} == {(USABLE[-1],)}
 
 
 def test_kernels_share_work_where_every_linear_runs_gemm_c(model_path):
@@ -47,17 +51,24 @@ def test_kernels_share_work_where_every_linear_runs_gemm_c(model_path):
     if not f32_gemm_available():
         pytest.skip("gemm.c's fp32 kernel needs AVX2 and FMA")
     limits = dict(dtype="float32", kv_cache_memory_gb=0.05, max_num_seqs=16)
-    assert LLM(str(model_path), cpu_kernels="gemm.c", **limits).engine.kernels_share_work()
-    assert not LLM(str(model_path), cpu_kernels="onednn", **limits).engine.kernels_share_work()
+    gemm_c = LLM(str(model_path), cpu_kernels="gemm.c", **limits).engine
+    assert gemm_c.rows_sharing_work() == BURST_MIN_TOKENS - 1
+    assert LLM(str(model_path), cpu_kernels="onednn", **limits).engine.rows_sharing_work() == 0
 
 
 @pytest.mark.skipif(len(USABLE) < 2, reason="bursts need a core beyond the steady ones")
-def test_long_prefills_burst_onto_every_core_and_decodes_stay_steady(
-    model_path, hf_model, tokenizer, restore_pinning, monkeypatch
+@pytest.mark.parametrize("sharing", [False, True], ids=["fixed-shares", "sharing-decodes"])
+def test_each_step_runs_on_its_plans_cores_pinned_once_a_change(
+    sharing, model_path, hf_model, tokenizer, restore_pinning, monkeypatch
 ):
+    """A long prefill bursts onto every core; decodes run on every core where their kernels
+    share work, else on the steady cores, as does a short prompt past the sharing rows.
+    The process is pinned only where a step's cores differ from the last step's."""
     llm = LLM(str(model_path), dtype="float32", kv_cache_memory_gb=0.25)
-    plan = CorePlan.resolve("auto")
-    pin_process(plan.steady)
+    long_prompt = tokenizer("Paged memory, " * 200)["input_ids"][: BURST_MIN_TOKENS + 40]
+    short_prompt = tokenizer("The capital of France is")["input_ids"]
+    plan = CorePlan.resolve("auto", shared_rows=len(short_prompt) - 1 if sharing else 0)
+    plan.pin_for_step(1)
     runner = llm.engine.runner
     runner.use_cores(plan)
     seen = []  # (tokens, the engine thread's cores, torch threads) of each forward
@@ -67,21 +78,25 @@ def test_long_prefills_burst_onto_every_core_and_decodes_stay_steady(
         seen.append((sum(map(len, token_ids)), sorted(os.sched_getaffinity(0)), torch.get_num_threads()))
         return forward(token_ids, *args, **kwargs)
 
+    pins = []
     monkeypatch.setattr(runner, "_forward_packed", recording)
-    long_prompt = tokenizer("Paged memory, " * 200)["input_ids"][: BURST_MIN_TOKENS + 40]
-    short_prompt = tokenizer("The capital of France is")["input_ids"]
+    monkeypatch.setattr(affinity, "pin_process", lambda cores: pins.append(cores) or pin_process(cores))
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     for prompt in (long_prompt, short_prompt):
         (out,) = llm.generate([prompt], params, use_tqdm=False)
         # Greedy output is the oracle's, whichever cores and thread count ran the step.
         assert out.token_ids == hf_greedy(hf_model, prompt, 6, eos_ids=set())
 
-    steady, burst = (plan.steady, len(plan.steady)), (plan.burst, len(plan.burst))
-    assert [(cores, threads) for _, cores, threads in seen] == [burst] + [steady] * 11
-    assert [tokens for tokens, _, _ in seen] == [len(long_prompt)] + [1] * 5 + [len(short_prompt)] + [1] * 5
-    # Between steps, the engine is back on its steady cores.
-    assert sorted(os.sched_getaffinity(0)) == plan.steady
-    assert torch.get_num_threads() == len(plan.steady)
+    tokens = [len(long_prompt)] + [1] * 5 + [len(short_prompt)] + [1] * 5
+    assert [t for t, _, _ in seen] == tokens
+    decode = USABLE if sharing else plan.steady
+    expected = [USABLE] + [decode] * 5 + [plan.steady] + [decode] * 5
+    assert [(cores, threads) for _, cores, threads in seen] == [(c, len(c)) for c in expected]
+    changes = [cores for i, cores in enumerate(expected) if cores != (expected[i - 1] if i else decode)]
+    assert pins == changes
+    # Between steps, the engine stays on the cores of its last step, a decode's.
+    assert sorted(os.sched_getaffinity(0)) == decode
+    assert torch.get_num_threads() == len(decode)
 
 
 # Prints the process's thread count before a thread runs a parallel region with two

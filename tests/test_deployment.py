@@ -37,14 +37,15 @@ async def _collect(handle, prompt, params, limit=None, priority=0):
 
 
 def test_replica_runs_on_the_cores_it_was_given(handle, llm_fp32):
-    """The engine's own thread reports its affinity; one torch thread per core. Which
-    plan "auto" takes depends on the kernels this machine's timings chose, which the
-    default fp32 engine here reads from the same cache."""
+    """The engine's own thread reports its affinity, after a decode step: one torch thread
+    per core. Which cores "auto" gives a decode depends on the kernels this machine's
+    timings chose, which the default fp32 engine here reads from the same cache."""
+    asyncio.run(_collect(handle, "Hi", {"max_tokens": 3, "temperature": 0}))
     stats = handle.stats.remote().result()
     cores = sorted(os.sched_getaffinity(0))
-    shares = llm_fp32.engine.kernels_share_work()
-    expected = cores if shares else cores[1:] or cores
-    assert stats.cpu_affinity == expected == CorePlan.resolve("auto", kernels_share_work=shares).steady
+    shared_rows = llm_fp32.engine.rows_sharing_work()
+    expected = cores if shared_rows else cores[1:] or cores
+    assert stats.cpu_affinity == expected == CorePlan.resolve("auto", shared_rows=shared_rows).cores_for(1)
     assert stats.torch_threads == len(expected)
 
 

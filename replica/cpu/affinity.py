@@ -10,19 +10,19 @@ A core left to the serving processes is idle while a burst of new prompts is pre
 every client is waiting for its first token, so there is nothing to stream. With
 "auto", steps of BURST_MIN_TOKENS tokens or more use it too (CorePlan).
 
-Where kernels whose threads take work as they come free run most of every decode step's
-linear time (ModelRunner.kernels_share_work), "auto" gives the engine every core for every
-step: the serving processes' moments on a core slow only that thread's share of each
-step, and the rest of that core's time is the engine's (the commit that made it so has
-the served measurements). Where kernels with a fixed share per thread (oneDNN, torch,
-gemm.c's bf16 kernel) run most of it, the plan above holds: there a
-thread held up on the shared core holds up most of every step."""
+Where kernels whose threads take work as they come free run most of a step's linear time
+(ModelRunner.rows_sharing_work: on the group kernels of a GGUF model, up to the row count
+where the chooser's timings move to dequantizing for oneDNN), "auto" gives the engine
+every core for that step: the serving processes' moments on a core slow only that
+thread's share of it, and the rest of that core's time is the engine's (the commits that
+made it so have the served measurements). Where kernels with a fixed share per thread
+(oneDNN, torch, gemm.c's bf16 kernel) run most of it, the step keeps to the steady cores:
+there a thread held up on the shared core holds up most of the step."""
 
 import contextlib
 import ctypes
 import os
-from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -83,30 +83,34 @@ def release_openmp_threads() -> bool:
 
 @dataclass
 class CorePlan:
-    """A pinned replica's cores: `steady` for ordinary steps, `burst` for steps of at
-    least BURST_MIN_TOKENS tokens."""
+    """A pinned replica's cores for each step, by its size: `burst` (every core) for steps
+    of at least BURST_MIN_TOKENS tokens, and for steps of up to `shared_rows` tokens, whose
+    kernels share their work; `steady` for the others."""
 
     steady: list[int]
     burst: list[int]
+    shared_rows: int = 0
+    pinned: list[int] | None = field(default=None, compare=False)  # where the process is now
 
     @classmethod
-    def resolve(cls, spec: str | list[int], kernels_share_work: bool = False) -> "CorePlan":
-        """ "auto" bursts onto every core this process may use, and runs every step there
-        where the kernels share work; a list of cores is kept to."""
+    def resolve(cls, spec: str | list[int], shared_rows: int = 0) -> "CorePlan":
+        """ "auto" runs bursts, and steps of up to shared_rows tokens, on every core this
+        process may use; a list of cores is kept to."""
         cores = resolve_cores(spec)
         if spec != "auto":
             return cls(cores, cores)
-        every = sorted(os.sched_getaffinity(0))
-        return cls(every if kernels_share_work else cores, every)
+        return cls(cores, sorted(os.sched_getaffinity(0)), shared_rows)
 
-    @contextlib.contextmanager
-    def for_step(self, num_tokens: int) -> Iterator[None]:
-        """Run a step of num_tokens tokens on the cores it gets, then go back to steady."""
-        if num_tokens < BURST_MIN_TOKENS or self.burst == self.steady:
-            yield
-            return
-        pin_process(self.burst)
-        try:
-            yield
-        finally:
-            pin_process(self.steady)
+    def cores_for(self, num_tokens: int) -> list[int]:
+        if num_tokens >= BURST_MIN_TOKENS or num_tokens <= self.shared_rows:
+            return self.burst
+        return self.steady
+
+    def pin_for_step(self, num_tokens: int) -> None:
+        """Pin the process to the cores of a step of num_tokens tokens. It stays there
+        after the step, so that a run of steps of one kind pins once: a decode step takes
+        a few milliseconds, and pinning every thread of the process a good part of one."""
+        cores = self.cores_for(num_tokens)
+        if cores != self.pinned:
+            pin_process(cores)
+            self.pinned = cores

@@ -53,7 +53,7 @@ STREAMED_BYTES = 128 << 20
 MIN_TIMED_S = 0.002  # a timing repeats one call until this much time has passed
 ROUNDS = 3  # timings per candidate; the best counts
 # The least part of a step's linear time that work-sharing kernels take for a pinned
-# replica to run every step on every core (shares_work, CorePlan.resolve).
+# replica to run that step on every core (sharing_rows, CorePlan).
 SHARED_MAJORITY = 0.5
 MARGIN = 0.1  # how much faster than the default kernel (fastest()) another kernel must be
 # A kernel this many times slower than the fastest at one bucket is not timed at larger
@@ -210,27 +210,28 @@ def fastest(buckets: tuple[int, ...], seconds: dict[str, list[float]]) -> Linear
     return LinearChoice(tuple(bounds), tuple(kernels), buckets, timed)
 
 
-def shares_work(choices: list[LinearChoice], max_rows: int, sharing: tuple[str, ...]) -> bool:
-    """Whether kernels in `sharing` take at least SHARED_MAJORITY of a step's linear time
-    at every step of 1 to max_rows rows, by the chooser's own timings (a forced choice,
-    untimed, counts each linear alike). A kernel that gives each thread a fixed share
-    stalls its step while a thread's core is taken; one that runs a small part of the
-    step (the lm_head, where oneDNN wins at one row) stalls only that part."""
+def sharing_rows(choices: list[LinearChoice], max_rows: int, sharing: tuple[str, ...]) -> int:
+    """The most rows, up to max_rows, such that kernels in `sharing` take at least
+    SHARED_MAJORITY of a step's linear time at every step of 1 to that many rows, by the
+    chooser's own timings (a forced choice, untimed, counts each linear alike); 0 where
+    not even one row's do. A kernel that gives each thread a fixed share stalls its step
+    while a thread's core is taken; one that runs a small part of the step (the lm_head,
+    where oneDNN wins at one row) stalls only that part."""
     weights = collections.Counter(choices)  # every layer's linears share a few choices
     if not weights:
-        return False
+        return 0
     for rows in range(1, max_rows + 1):
         shared = total = 0.0
         for choice, count in weights.items():
             seconds = choice.seconds_for(rows)
             seconds = count * (1.0 if seconds is None else seconds)
             if not math.isfinite(seconds):
-                return False
+                return rows - 1
             total += seconds
             shared += seconds if choice.kernel_for(rows) in sharing else 0.0
         if shared < SHARED_MAJORITY * total:
-            return False
-    return True
+            return rows - 1
+    return max_rows
 
 
 def int8_kept_out(seconds: dict[str, list[float]]) -> str:

@@ -20,7 +20,7 @@ import torch
 from ray import serve
 
 from replica.config import EngineConfig
-from replica.cpu.affinity import CorePlan, pin_process, release_openmp_threads
+from replica.cpu.affinity import BURST_MIN_TOKENS, CorePlan, release_openmp_threads
 from replica.engine import Engine
 from replica.lora.weights import AdapterWeights
 from replica.server.engine_loop import EngineLoop
@@ -51,10 +51,13 @@ class LLMServer:
         self.engine = Engine(EngineConfig.from_kwargs(**(engine_args or {})))
         cores = self.engine.config.cpu_cores
         if cores is not None and self.engine.device_type == "cpu":
-            plan = CorePlan.resolve(cores, kernels_share_work=self.engine.kernels_share_work())
-            pin_process(plan.steady)  # before the engine's thread starts
+            plan = CorePlan.resolve(cores, shared_rows=self.engine.rows_sharing_work())
+            plan.pin_for_step(1)  # before the engine's thread starts, as for a decode step
             self.engine.pin_to_cores(plan)
-            logger.info(f"pinned to CPU cores {plan.steady}, bursts of prefill on {plan.burst}")
+            logger.info(
+                f"pinned to CPU cores {plan.steady}; steps of up to {plan.shared_rows} "
+                f"or at least {BURST_MIN_TOKENS} tokens on {plan.burst}"
+            )
         self.engine.warm_up()  # before Serve counts the replica as ready
         # From here the engine's own thread runs its parallel regions; this one lives on.
         release_openmp_threads()
