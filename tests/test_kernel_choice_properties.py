@@ -27,10 +27,10 @@ from replica.cpu.kernel_choice import (
     sharing_rows,
     time_buckets,
 )
-from replica.cpu.linear_kernels import FP32_SHARING_KERNELS
+from replica.cpu.linear_kernels import FP32_SHARING_KERNELS, GROUP_SHARING_KERNELS
 
 ROOT = Path(__file__).resolve().parents[1]
-KERNELS = ("int8 gemm.c", "gemm.c", "onednn", "torch")
+KERNELS = ("group q8 gemm.c", "group gemm.c", "int8 gemm.c", "gemm.c", "onednn", "torch")
 
 
 def recorded_tables() -> list[tuple[str, dict[str, dict[str, float]]]]:
@@ -160,11 +160,13 @@ def test_a_choice_knows_the_time_of_the_kernel_it_runs(table):
     assert LinearChoice.forced("onednn").seconds_for(1) is None
 
 
-def shared_part(choices: list[LinearChoice], rows: int) -> float:
+def shared_part(
+    choices: list[LinearChoice], rows: int, sharing: tuple[str, ...] = FP32_SHARING_KERNELS
+) -> float:
     """sharing_rows' rule, linear by linear: the sharing kernels' part of the time."""
     times = [(c.kernel_for(rows), c.seconds_for(rows)) for c in choices]
     total = sum(t for _, t in times)
-    return sum(t for k, t in times if k in FP32_SHARING_KERNELS) / total if total else 1.0
+    return sum(t for k, t in times if k in sharing) / total if total else 1.0
 
 
 @settings(max_examples=200, deadline=None)
@@ -240,7 +242,8 @@ def replayed(table: dict[str, dict[str, float]]):
     return buckets, raw, pruned
 
 
-# SmolLM2-135M's fp32 linears: how many of each shape the model has.
+# SmolLM2-135M's linears: how many of each shape the model has, in fp32 and as the bundled
+# GGUF's blocks in a bf16 model.
 SMOLLM2_FP32_LINEARS = {
     "linear float32 960x576": 30,
     "linear float32 576x576": 30,
@@ -248,40 +251,58 @@ SMOLLM2_FP32_LINEARS = {
     "linear float32 576x1536": 30,
     "linear float32 49152x576": 1,
 }
+SMOLLM2_GGUF_BF16_LINEARS = {
+    "linear q4g32m/bfloat16 960x576": 30,
+    "linear q4g32m/bfloat16 576x576": 30,
+    "linear q4g32m/bfloat16 3072x576 gated": 30,
+    "linear q4g32m/bfloat16 576x1536": 30,
+    "linear q8g32/bfloat16 49152x576": 1,
+}
 
 
-def recorded_smollm2_choices() -> list[tuple[str, list[LinearChoice]]]:
-    """(machine, every fp32 linear's choice) for each machine that timed all of them."""
+def recorded_smollm2_choices(linears: dict[str, int]) -> list[tuple[str, list[LinearChoice]]]:
+    """(machine, every linear's choice) for each machine that timed all of `linears`."""
     tables: dict[str, dict[str, dict]] = {}
     for where, table in RECORDED:
         machine, key = where.split(": ", 1)
         tables.setdefault(machine, {})[key] = table
     machines = []
     for machine, timed in tables.items():
-        if SMOLLM2_FP32_LINEARS.keys() <= timed.keys():
+        if linears.keys() <= timed.keys():
             choices = []
-            for key, count in SMOLLM2_FP32_LINEARS.items():
+            for key, count in linears.items():
                 buckets, _, pruned = replayed(timed[key])
                 choices += [fastest(buckets, pruned)] * count
             machines.append((machine, choices))
     return machines
 
 
-RECORDED_SMOLLM2 = recorded_smollm2_choices()
+RECORDED_SMOLLM2 = recorded_smollm2_choices(SMOLLM2_FP32_LINEARS)
+RECORDED_GGUF = recorded_smollm2_choices(SMOLLM2_GGUF_BF16_LINEARS)
 
 
 def test_every_recorded_machine_has_the_bundled_models_fp32_timings():
     assert len(RECORDED_SMOLLM2) >= 5
 
 
-@pytest.mark.parametrize("where,choices", RECORDED_SMOLLM2, ids=[where for where, _ in RECORDED_SMOLLM2])
-def test_recorded_machines_pin_by_the_sharing_kernels_part_of_each_step(where, choices):
-    """The pinning rule on each machine's recorded timings of the bundled model, at its
-    default 128 sequences: every core exactly where the sharing kernels take at least
-    SHARED_MAJORITY of the linear time at every row count, and a finite time everywhere."""
-    assert all(math.isfinite(c.seconds_for(rows)) for c in set(choices) for rows in range(1, 129))
-    short = [rows for rows in range(1, 129) if shared_part(choices, rows) < SHARED_MAJORITY]
-    assert sharing_rows(choices, 128, FP32_SHARING_KERNELS) == (short[0] - 1 if short else 128)
+def test_the_zen4_gguf_timings_are_here():
+    assert any("amd_epyc_zen4_2c_gguf_bf16.json" in where for where, _ in RECORDED_GGUF)
+
+
+@pytest.mark.parametrize(
+    "where,choices,sharing,max_rows",
+    [(w, c, FP32_SHARING_KERNELS, 128) for w, c in RECORDED_SMOLLM2]
+    + [(w, c, GROUP_SHARING_KERNELS, 128) for w, c in RECORDED_GGUF],
+    ids=[w for w, _ in RECORDED_SMOLLM2] + [f"gguf {w}" for w, _ in RECORDED_GGUF],
+)
+def test_recorded_machines_pin_by_the_sharing_kernels_part_of_each_step(where, choices, sharing, max_rows):
+    """The pinning rule on each machine's recorded timings of the bundled model (fp32, and
+    its GGUF's blocks in bf16), up to its default 128 sequences: every core up to the first
+    step where the sharing kernels take less than SHARED_MAJORITY of the linear time, and a
+    finite time everywhere."""
+    assert all(math.isfinite(c.seconds_for(rows)) for c in set(choices) for rows in range(1, max_rows + 1))
+    short = [rows for rows in range(1, max_rows + 1) if shared_part(choices, rows, sharing) < SHARED_MAJORITY]
+    assert sharing_rows(choices, max_rows, sharing) == (short[0] - 1 if short else max_rows)
 
 
 @pytest.mark.parametrize("where,table", RECORDED, ids=[where for where, _ in RECORDED])
