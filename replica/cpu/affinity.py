@@ -108,8 +108,8 @@ class CorePlan:
 
     def pin_for_step(self, num_tokens: int) -> None:
         """Pin the process to the cores of a step of num_tokens tokens. It stays there
-        after the step, so that a run of steps of one kind pins once: a decode step takes
-        a few milliseconds, and pinning every thread of the process a good part of one."""
+        after the step, so that a run of steps of one kind pins once: pinning costs a
+        system call for every thread of the process, and a decode step a few milliseconds."""
         cores = self.cores_for(num_tokens)
         if cores != self.pinned:
             pin_process(cores)
