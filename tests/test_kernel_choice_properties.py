@@ -17,6 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from replica.cpu.affinity import BURST_MIN_TOKENS
 from replica.cpu.kernel_choice import (
     GIVE_UP_RATIO,
     MARGIN,
@@ -290,16 +291,17 @@ def test_the_zen4_gguf_timings_are_here():
 
 
 @pytest.mark.parametrize(
-    "where,choices,sharing,max_rows",
-    [(w, c, FP32_SHARING_KERNELS, 128) for w, c in RECORDED_SMOLLM2]
-    + [(w, c, GROUP_SHARING_KERNELS, 128) for w, c in RECORDED_GGUF],
+    "where,choices,sharing",
+    [(w, c, FP32_SHARING_KERNELS) for w, c in RECORDED_SMOLLM2]
+    + [(w, c, GROUP_SHARING_KERNELS) for w, c in RECORDED_GGUF],
     ids=[w for w, _ in RECORDED_SMOLLM2] + [f"gguf {w}" for w, _ in RECORDED_GGUF],
 )
-def test_recorded_machines_pin_by_the_sharing_kernels_part_of_each_step(where, choices, sharing, max_rows):
+def test_recorded_machines_pin_by_the_sharing_kernels_part_of_each_step(where, choices, sharing):
     """The pinning rule on each machine's recorded timings of the bundled model (fp32, and
-    its GGUF's blocks in bf16), up to its default 128 sequences: every core up to the first
-    step where the sharing kernels take less than SHARED_MAJORITY of the linear time, and a
-    finite time everywhere."""
+    its GGUF's blocks in bf16), over the steps Engine.rows_sharing_work asks about (short of
+    a burst): every core up to the first step where the sharing kernels take less than
+    SHARED_MAJORITY of the linear time, and a finite time everywhere."""
+    max_rows = BURST_MIN_TOKENS - 1
     assert all(math.isfinite(c.seconds_for(rows)) for c in set(choices) for rows in range(1, max_rows + 1))
     short = [rows for rows in range(1, max_rows + 1) if shared_part(choices, rows, sharing) < SHARED_MAJORITY]
     assert sharing_rows(choices, max_rows, sharing) == (short[0] - 1 if short else max_rows)
