@@ -33,7 +33,8 @@ gguf = pytest.importorskip("gguf", reason="gguf-py reads GGUF files (a transform
 needs_kernels = pytest.mark.skipif(
     not group_quant.group_gemm_available(), reason="gemm_group.c needs AVX2, FMA and F16C"
 )
-FORMATS = ["q4g32m", "q4g64m", "q4g128m", "q8g16", "q8g32", "q8g32m"]
+# Groups of 96 put a 64-pair of blocks in two groups every third pair.
+FORMATS = ["q4g32m", "q4g64m", "q4g96m", "q4g128m", "q8g16", "q8g32", "q8g32m", "q8g96"]
 
 
 def _random_blocks(kind: str, rows: int, k: int, seed: int) -> np.ndarray:
@@ -126,6 +127,18 @@ def test_group_kernels_match_their_references(fmt, rows, n, blocks, with_bias, s
         y = group_quant.mm_torch_int4(x, group_quant.pack_for_torch_int4(w), bias)
         expected = _reference(x, w, bias, False)
         torch.testing.assert_close(y.double(), expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", ["q8g8", "q8g24", "q8g48"])
+def test_the_int8_activation_kernel_refuses_groups_that_split_its_blocks(fmt):
+    """Its dot products take one weight scale per 32-block (or per half): the chooser never
+    times it on such a weight, and a direct call says why instead of returning garbage."""
+    w = group_quant.quantize(torch.randn(8, 96), fmt)
+    assert linear_kernels.can_run(linear_kernels.GROUP_GEMM_C, torch.bfloat16, 96, fmt, 8)
+    assert not linear_kernels.can_run(linear_kernels.GROUP_Q8_GEMM_C, torch.bfloat16, 96, fmt, 8)
+    with pytest.raises(ValueError, match="does not run " + fmt):
+        group_quant.gemm_group(torch.randn(1, 96), w, None, quantized_x=True)
 
 
 @needs_kernels

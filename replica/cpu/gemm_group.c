@@ -220,8 +220,9 @@ void gemm_group(float* y, const float* x, const uint8_t* qs, const uint16_t* sca
  * (symmetric, the block's largest |x| at 127, as GGUF's Q8_0), so that a block's 32
  * products are one integer dot product: vpdpbusd where the CPU has AVX512-VNNI, else
  * vpmaddubsw and vpmaddwd (AVX2), as llama.cpp computes its quantized dot products. The
- * sum converts to fp32 once per block and takes the weight's scale times x's; the min
- * term uses x's exact fp32 sums. 8-bit weights are signed, and these instructions take
+ * sum converts to fp32 once per block and takes the weight's scale times x's (one scale
+ * per block, or per half in groups of 16: group_quant.q8_kernel_runs); the min term uses
+ * x's exact fp32 sums. 8-bit weights are signed, and these instructions take
  * one unsigned operand: |w| times x with w's sign. */
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 static inline __m256i dot_u8s8(__m256i u, __m256i s) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s); }
@@ -398,16 +399,17 @@ static inline int wide_order(int bits, int i) {
 
 /* The weight scales of pair p of column js's blocks, spread over the lanes. */
 static inline __m512 wide_scales(const uint16_t* js, int64_t p, int bits, int group) {
-    if (group >= 64) return _mm512_set1_ps(_cvtsh_ss(js[(2 * p * 32) / group]));
-    if (group == 32) {
-        const __m512 two = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(*(const int32_t*)(js + 2 * p))));
-        const __m512i idx = bits == 4 ? _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0)
-                                      : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-        return _mm512_permutexvar_ps(idx, two);
+    if (group % 64 == 0) return _mm512_set1_ps(_cvtsh_ss(js[(64 * p) / group]));
+    if (group == 16) { /* 8-bit weights only: four scales, one per 16 weights = 4 lanes */
+        const __m512 four = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)(js + 4 * p))));
+        return _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0), four);
     }
-    /* group 16 (8-bit weights only): four scales, one per 16 weights = 4 lanes */
-    const __m512 four = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)(js + 4 * p))));
-    return _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0), four);
+    /* An odd multiple of 32: the pair's blocks may lie in two groups, each with its scale. */
+    const __m128 two = group == 32 ? _mm_cvtph_ps(_mm_cvtsi32_si128(*(const int32_t*)(js + 2 * p)))
+                                   : _mm_setr_ps(_cvtsh_ss(js[(64 * p) / group]), _cvtsh_ss(js[(64 * p + 32) / group]), 0.0f, 0.0f);
+    const __m512i idx = bits == 4 ? _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0)
+                                  : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(two));
 }
 
 /* xq: [m][k] in wide_order; xd16: [m][k / 64][16] x's block scales spread as the lanes

@@ -165,11 +165,20 @@ def group_gemm_available() -> bool:
     return bool(load_library().group_gemm_available())
 
 
+def q8_kernel_runs(w_format: str) -> bool:
+    """gemm_group_q8 takes one weight scale per 32-block of its dot products (or one per
+    half, in groups of 16): 8-bit groups that split a block otherwise it cannot run."""
+    _, group, _ = parse_format(w_format)
+    return group == 16 or group % 32 == 0
+
+
 def gemm_group(
     x: torch.Tensor, w: GroupQuantWeight, bias: torch.Tensor | None, quantized_x: bool = False
 ) -> torch.Tensor:
     """x [rows, k] times w, plus bias (fp32): [rows, n] in x's dtype. quantized_x: x
     quantized per 32-block to int8 (gemm_group_q8), else exact in fp32."""
+    if quantized_x and not q8_kernel_runs(w.format):
+        raise ValueError(f"the int8-activation kernel does not run {w.format} (groups of 16 or of 32s)")
     n, k = w.shape
     xf = x.float().contiguous()
     bias_f = None if bias is None else bias.float().contiguous()  # held: the kernel reads it

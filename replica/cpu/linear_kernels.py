@@ -47,6 +47,12 @@ def can_run(
         # The int8-activation kernel rounds x to 8 bits a 32-block, which a bf16 model's
         # activations already are to 8 significant bits; an fp32 model gets the exact one.
         exact = kernel == GROUP_GEMM_C or dtype == torch.bfloat16
+        if (
+            kernel == GROUP_Q8_GEMM_C
+            and quantization is not None
+            and not group_quant.q8_kernel_runs(quantization)
+        ):
+            return False
         return exact and in_features % 32 == 0 and group_quant.group_gemm_available()
     if kernel == GROUP_TORCH:
         return quantization is not None and group_quant.torch_int4_runs(quantization, out_features)
