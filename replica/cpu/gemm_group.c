@@ -264,6 +264,39 @@ static void quantize_blocks(int8_t* xq, float* xd, const float* x, int64_t m, in
     for (int64_t b = 0; b < m * (k / 32); b++) xd[b] = quantize_block(xq + b * 32, x + b * 32);
 }
 
+/* The pair kernels take a column's blocks two at a time. A 4-bit pair is one load whose
+ * nibbles unpack as [block 0 low, block 1 low, block 0 high, block 1 high] halves of 16,
+ * so x's pair is quantized in that order (an 8-bit pair keeps x's); each 32-bit lane of a
+ * dot product then sums 4 weights of one block, and takes its block's scales from a
+ * pattern of `lanes` floats. pair_order: where x's element i of a pair goes. */
+static inline int pair_order(int bits, int i) {
+    if (bits != 4) return i;
+    const int block = i / 32, half = (i % 32) / 16;
+    return half * 32 + block * 16 + i % 16;
+}
+
+/* x [m, k] -> xq [m, k] int8 in pair_order and xd [m][k / 64][lanes]: each lane's block
+ * scale (the lane sums 4 weights, in pair_order). */
+static void quantize_pairs(int8_t* xq, float* xd, const float* x, int64_t m, int64_t k, int bits, int lanes) {
+    const int64_t pairs = k / 64;
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t p = 0; p < pairs; p++) {
+            int8_t pair[64];
+            const float d[2] = {quantize_block(pair, x + r * k + 64 * p),
+                                quantize_block(pair + 32, x + r * k + 64 * p + 32)};
+            for (int i = 0; i < 64; i += 16) memcpy(xq + r * k + 64 * p + pair_order(bits, i), pair + i, 16);
+            for (int lane = 0; lane < lanes; lane++)
+                xd[(r * pairs + p) * lanes + lane] = d[bits == 4 ? (lane / 4) % 2 : lane / (lanes / 2)];
+        }
+}
+
+/* A pair's two block scales, each over the lanes `index` names (groups that are odd
+ * multiples of 32 may put the two blocks in different groups). */
+static inline __m128 pair_scales(const uint16_t* js, int64_t p, int group) {
+    return group == 32 ? _mm_cvtph_ps(_mm_cvtsi32_si128(*(const int32_t*)(js + 2 * p)))
+                       : _mm_setr_ps(_cvtsh_ss(js[(64 * p) / group]), _cvtsh_ss(js[(64 * p + 32) / group]), 0.0f, 0.0f);
+}
+
 static inline __attribute__((always_inline)) void column_tile_q8(
     float* y, const int8_t* xq, const float* xd, const float* xsum, const uint8_t* qs, const uint16_t* scales,
     const uint16_t* mins, const float* bias, int64_t r0, int rows, int64_t j, int64_t n, int64_t k, int group,
@@ -383,19 +416,78 @@ static void one_row_q8(float* y, const int8_t* xq, const float* xd, const float*
         column_tile_q8(y, xq, xd, xsum, qs, scales, mins, bias, 0, 1, j, n, k, group, bits);
 }
 
+/* 4-bit weights in pairs of blocks with 256-bit vectors (where the AVX-512 kernel below is
+ * not built): half the instructions a weight of the block-at-a-time loops above. */
+static inline __m256i pair_dot(__m256i lo, __m256i hi, __m256i xa, __m256i xb) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, xa), hi, xb);
+#else
+    /* each 16-bit sum of vpmaddubsw is at most 2 * 15 * 127, so two add exactly */
+    return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xa), _mm256_maddubs_epi16(hi, xb)),
+                             _mm256_set1_epi16(1));
+#endif
+}
+
+/* xq: [m][k] in pair_order; xd8: [m][k / 64][8] (lanes 0-3 the first block's scale). */
+static inline __attribute__((always_inline)) void column_tile_pair(
+    float* y, const int8_t* xq, const float* xd8, const float* xsum, const uint8_t* qs, const uint16_t* scales,
+    const uint16_t* mins, const float* bias, int64_t r0, int rows, int64_t j, int64_t n, int64_t k, int group,
+    int bits) {
+    (void)bits; /* 4 */
+    const int64_t groups = k / group, pairs = k / 64;
+    const uint16_t* js = scales + j * groups;
+    const __m256i mask = _mm256_set1_epi8(0x0F), lanes = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    __m256 acc[Q_TILE_ROWS];
+    float offset[Q_TILE_ROWS] = {0.0f};
+    for (int r = 0; r < Q_TILE_ROWS; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t p = 0; p < pairs; p++) {
+        const uint8_t* at = qs + (j * k) / 2 + 32 * p;
+        _mm_prefetch((const char*)at + Q_PREFETCH_BYTES, _MM_HINT_T0);
+        const __m256i bytes = _mm256_loadu_si256((const __m256i*)at);
+        const __m256i lo = _mm256_and_si256(bytes, mask), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
+        const __m256 ws = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(pair_scales(js, p, group)), lanes);
+        for (int r = 0; r < rows; r++) {
+            const int8_t* xr = xq + (r0 + r) * k + 64 * p;
+            const __m256i sum = pair_dot(lo, hi, _mm256_loadu_si256((const __m256i*)xr),
+                                         _mm256_loadu_si256((const __m256i*)(xr + 32)));
+            const __m256 scale = _mm256_mul_ps(ws, _mm256_loadu_ps(xd8 + ((r0 + r) * pairs + p) * 8));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, acc[r]);
+        }
+    }
+    if (mins) { /* eight groups an FMA */
+        const uint16_t* jm = mins + j * groups;
+        int64_t g = 0;
+        for (; g + 8 <= groups; g += 8) {
+            const __m256 m8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(jm + g)));
+            for (int r = 0; r < rows; r++)
+                acc[r] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(xsum + (r0 + r) * groups + g), acc[r]);
+        }
+        for (; g < groups; g++)
+            for (int r = 0; r < rows; r++) offset[r] += _cvtsh_ss(jm[g]) * xsum[(r0 + r) * groups + g];
+    }
+    const float b = bias ? bias[j] : 0.0f;
+    for (int r = 0; r < rows; r++) y[(r0 + r) * n + j] = hsum256(acc[r]) + offset[r] + b;
+}
+
+static void gemm_group_pairs(float* y, const float* x, const uint8_t* qs, const uint16_t* scales,
+                             const uint16_t* mins, const float* bias, int64_t m, int64_t n, int64_t k, int32_t group,
+                             int32_t bits, int32_t num_threads) {
+    int8_t* xq = (int8_t*)malloc((size_t)(m * k));
+    float* xd8 = (float*)malloc(sizeof(float) * (size_t)(m * (k / 64) * 8));
+    float* xsum = mins ? (float*)malloc(sizeof(float) * (size_t)(m * (k / group))) : NULL;
+    quantize_pairs(xq, xd8, x, m, k, 4, 8);
+    if (mins) group_sums(xsum, x, m, k, group);
+    FOR_EACH_TILE(column_tile_pair, xq, xd8, xsum);
+    free(xq);
+    free(xd8);
+    free(xsum);
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define Q8_WIDE 1
-/* With AVX-512, two blocks go in one 64-byte vector, which halves the instructions per
- * weight. A 4-bit pair's nibbles unpack as [block 0 low, block 1 low, block 0 high, block 1
- * high] halves, so x's pair is laid out in that order when it is quantized (wide_order);
- * each 32-bit lane of the dot product then sums 4 weights of one block, and the lanes take
- * their block's scales from a 16-float pattern. */
-static inline int wide_order(int bits, int i) {
-    /* where x's element i of a block pair goes */
-    if (bits != 4) return i;
-    const int block = i / 32, half = (i % 32) / 16;
-    return half * 32 + block * 16 + i % 16;
-}
+/* With AVX-512, a column's pair of blocks (quantize_pairs) goes in one 64-byte vector,
+ * which halves the instructions per weight; the lanes take their block's scales from a
+ * 16-float pattern. */
 
 /* The weight scales of pair p of column js's blocks, spread over the lanes. */
 static inline __m512 wide_scales(const uint16_t* js, int64_t p, int bits, int group) {
@@ -404,15 +496,13 @@ static inline __m512 wide_scales(const uint16_t* js, int64_t p, int bits, int gr
         const __m512 four = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)(js + 4 * p))));
         return _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0), four);
     }
-    /* An odd multiple of 32: the pair's blocks may lie in two groups, each with its scale. */
-    const __m128 two = group == 32 ? _mm_cvtph_ps(_mm_cvtsi32_si128(*(const int32_t*)(js + 2 * p)))
-                                   : _mm_setr_ps(_cvtsh_ss(js[(64 * p) / group]), _cvtsh_ss(js[(64 * p + 32) / group]), 0.0f, 0.0f);
+    const __m128 two = pair_scales(js, p, group);
     const __m512i idx = bits == 4 ? _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0)
                                   : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(two));
 }
 
-/* xq: [m][k] in wide_order; xd16: [m][k / 64][16] x's block scales spread as the lanes
+/* xq: [m][k] in pair_order; xd16: [m][k / 64][16] x's block scales spread as the lanes
  * take them; xsum: [m][groups rounded up to 16], zero-padded. */
 static inline __attribute__((always_inline)) void column_tile_wide(
     float* y, const int8_t* xq, const float* xd16, const float* xsum, const uint8_t* qs, const uint16_t* scales,
@@ -469,17 +559,9 @@ static void gemm_group_wide(float* y, const float* x, const uint8_t* qs, const u
     int8_t* xq = (int8_t*)malloc((size_t)(m * k));
     float* xd16 = (float*)malloc(sizeof(float) * (size_t)(m * pairs * 16));
     float* xsum = (float*)calloc((size_t)(m * padded), sizeof(float));
-    for (int64_t r = 0; r < m; r++) {
-        for (int64_t p = 0; p < pairs; p++) {
-            int8_t pair[64];
-            const float d[2] = {quantize_block(pair, x + r * k + 64 * p),
-                                quantize_block(pair + 32, x + r * k + 64 * p + 32)};
-            for (int i = 0; i < 64; i += 16) memcpy(xq + r * k + 64 * p + wide_order(bits, i), pair + i, 16);
-            for (int lane = 0; lane < 16; lane++) /* the lane's 4 elements, in wide_order */
-                xd16[(r * pairs + p) * 16 + lane] = d[bits == 4 ? (lane / 4) % 2 : lane / 8];
-        }
-        if (mins) group_sums(xsum + r * padded, x + r * k, 1, k, group);
-    }
+    quantize_pairs(xq, xd16, x, m, k, bits, 16);
+    if (mins)
+        for (int64_t r = 0; r < m; r++) group_sums(xsum + r * padded, x + r * k, 1, k, group);
     FOR_EACH_TILE(column_tile_wide, xq, xd16, xsum);
     free(xq);
     free(xd16);
@@ -493,6 +575,11 @@ void gemm_group_q8(float* y, const float* x, const uint8_t* qs, const uint16_t* 
 #ifdef Q8_WIDE
     if (k % 64 == 0) {
         gemm_group_wide(y, x, qs, scales, mins, bias, m, n, k, group, bits, num_threads);
+        return;
+    }
+#else
+    if (bits == 4 && k % 64 == 0) {
+        gemm_group_pairs(y, x, qs, scales, mins, bias, m, n, k, group, bits, num_threads);
         return;
     }
 #endif
