@@ -108,8 +108,9 @@ def _reference(x: torch.Tensor, w: GroupQuantWeight, bias, quantized_x: bool) ->
     seed=st.integers(0, 2**16),
 )
 def test_group_kernels_match_their_references(fmt, rows, n, blocks, with_bias, seed):
-    """Odd block counts take the AVX2 loop, even ones the AVX-512 one where it is built; one
-    row takes the AVX2 loop over four columns at a time (and column by column for the rest)."""
+    """Odd block counts take the block-at-a-time AVX2 loops (one row: four columns at a time,
+    and column by column for the rest); even ones take blocks in pairs, 512 bits at a time
+    where the AVX-512 kernel is built, else 256 bits for 4-bit weights."""
     bits, group, _ = group_quant.parse_format(fmt)
     k = 32 * blocks * max(1, group // 32)
     g = torch.Generator().manual_seed(seed)
