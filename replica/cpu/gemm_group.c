@@ -290,8 +290,8 @@ static void quantize_pairs(int8_t* xq, float* xd, const float* x, int64_t m, int
         }
 }
 
-/* A pair's two block scales, each over the lanes `index` names (groups that are odd
- * multiples of 32 may put the two blocks in different groups). */
+/* A pair's two block scales, in a vector's first two lanes (a group that is an odd
+ * multiple of 32 may end between the two blocks). */
 static inline __m128 pair_scales(const uint16_t* js, int64_t p, int group) {
     return group == 32 ? _mm_cvtph_ps(_mm_cvtsi32_si128(*(const int32_t*)(js + 2 * p)))
                        : _mm_setr_ps(_cvtsh_ss(js[(64 * p) / group]), _cvtsh_ss(js[(64 * p + 32) / group]), 0.0f, 0.0f);
@@ -416,16 +416,17 @@ static void one_row_q8(float* y, const int8_t* xq, const float* xd, const float*
         column_tile_q8(y, xq, xd, xsum, qs, scales, mins, bias, 0, 1, j, n, k, group, bits);
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define Q8_WIDE 1
+#endif
+
+#ifndef Q8_WIDE
 /* 4-bit weights in pairs of blocks with 256-bit vectors (where the AVX-512 kernel below is
  * not built): half the instructions a weight of the block-at-a-time loops above. */
 static inline __m256i pair_dot(__m256i lo, __m256i hi, __m256i xa, __m256i xb) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, xa), hi, xb);
-#else
     /* each 16-bit sum of vpmaddubsw is at most 2 * 15 * 127, so two add exactly */
     return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xa), _mm256_maddubs_epi16(hi, xb)),
                              _mm256_set1_epi16(1));
-#endif
 }
 
 /* xq: [m][k] in pair_order; xd8: [m][k / 64][8] (lanes 0-3 the first block's scale). */
@@ -482,9 +483,9 @@ static void gemm_group_pairs(float* y, const float* x, const uint8_t* qs, const 
     free(xd8);
     free(xsum);
 }
+#endif
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define Q8_WIDE 1
+#ifdef Q8_WIDE
 /* With AVX-512, a column's pair of blocks (quantize_pairs) goes in one 64-byte vector,
  * which halves the instructions per weight; the lanes take their block's scales from a
  * 16-float pattern. */
