@@ -15,6 +15,8 @@ A tree runs its benchmark the way it was written to run: as a module
     python -m bench.ab_commits --base 12a6ff2 --rounds 3
     python -m bench.ab_commits --base 639e6c0 --smoke    # tiny workloads, one round, to the temp dir
     python -m bench.ab_commits --base 639e6c0 --served --concurrency 16
+    python -m bench.ab_commits --base 9128242 --offline-args "--quantization gguf" \
+        --served --served-args "--quantization gguf"      # the bundled GGUF's own blocks
 """
 
 import argparse
@@ -72,11 +74,13 @@ def run_offline(
     return {r["case"]: r["systems"]["kvserve_continuous"]["output_tokens_per_s"] for r in result["results"]}
 
 
-def served_command(tree: Path, port: int, dtype: str) -> tuple[list[str], dict[str, str]]:
+def served_command(
+    tree: Path, port: int, dtype: str, more: list[str] = ()
+) -> tuple[list[str], dict[str, str]]:
     """`kvserve serve` of `tree`: its packages first on PYTHONPATH, which Ray's workers
     inherit, so the replicas run the tree's code too."""
     command = [sys.executable, "-m", "deployments.cli", "serve", "--dtype", dtype]
-    command += ["--port", str(port), "--grpc-port", str(free_port())]
+    command += ["--port", str(port), "--grpc-port", str(free_port()), *more]
     return command, {"PYTHONPATH": str(tree)}
 
 
@@ -100,7 +104,7 @@ async def closed_loop(url: str, prompts: list[list[int]], max_tokens: int, concu
 
 def run_served(tree: Path, args, prompts: list[list[int]], log: Path) -> dict:
     port = free_port()
-    command, env = served_command(tree, port, args.served_dtype)
+    command, env = served_command(tree, port, args.served_dtype, args.served_args.split())
     server = Server(command, port, log, env).start()
     try:
         server.wait_ready()
@@ -135,6 +139,9 @@ def main() -> None:
     parser.add_argument("--served-prompt", type=int, default=128)
     parser.add_argument("--served-output", type=int, default=64)
     parser.add_argument("--served-dtype", default="auto")
+    parser.add_argument(
+        "--served-args", default="", help='more `kvserve serve` arguments, e.g. "--quantization gguf"'
+    )
     parser.add_argument(
         "--smoke", action="store_true", help="the mixed workload, tiny, once; to the temp dir"
     )

@@ -254,6 +254,11 @@ def main() -> None:
         "is float32 "
         "and bf16 is emulated",
     )
+    parser.add_argument(
+        "--quantization",
+        default=None,
+        help="kvserve continuous's weights, as LLM takes them (\"gguf\": the bundled file's own blocks)",
+    )
     # Every system holds its cache at once: 6 of them must fit in the machine's memory.
     parser.add_argument(
         "--kv-cache-gb", type=int, default=1, help="KV cache per system (64 sequences need 0.6)"
@@ -304,7 +309,7 @@ def main() -> None:
 
     runners, engines = {}, {}
     if "kvserve_continuous" in args.systems:
-        engines["kvserve_continuous"] = LLM(str(model_path), **engine_args)
+        engines["kvserve_continuous"] = LLM(str(model_path), quantization=args.quantization, **engine_args)
     if "kvserve_int8" in args.systems:
         engines["kvserve_int8"] = LLM(str(model_path), quantization="int8", **engine_args)
     if "kvserve_static" in args.systems:
