@@ -15,7 +15,7 @@ A tree runs its benchmark the way it was written to run: as a module
     python -m bench.ab_commits --base 12a6ff2 --rounds 3
     python -m bench.ab_commits --base 639e6c0 --smoke    # tiny workloads, one round, to the temp dir
     python -m bench.ab_commits --base 639e6c0 --served --concurrency 16
-    python -m bench.ab_commits --base 9128242 --offline-args "--quantization gguf" \
+    python -m bench.ab_commits --base 72e330a --offline-args "--quantization gguf" \
         --served --served-args "--quantization gguf"      # the bundled GGUF's own blocks
 """
 

@@ -28,6 +28,7 @@ from replica.cpu import group_quant, kernel_choice, linear_kernels
 from replica.cpu.abi import GroupWeight
 from replica.cpu.build import load_library
 from replica.cpu.group_quant import GroupQuantWeight, TorchInt4Weight
+from replica.cpu.native_decoder import GROUP_KERNELS
 
 gguf = pytest.importorskip("gguf", reason="gguf-py reads GGUF files (a transformers extra)")
 needs_kernels = pytest.mark.skipif(
@@ -110,15 +111,19 @@ def _reference(x: torch.Tensor, w: GroupQuantWeight, bias, quantized_x: bool) ->
 def test_group_kernels_match_their_references(fmt, rows, n, blocks, with_bias, seed):
     """Odd block counts take the block-at-a-time AVX2 loops (one row: four columns at a time,
     and column by column for the rest); even ones take blocks in pairs, 512 bits at a time
-    where the AVX-512 kernel is built, else 256 bits for 4-bit weights."""
+    where the AVX-512 kernel is built, else 256 bits for 4-bit weights (and there, the
+    256-bit kernel too: its VNNI dot products)."""
     bits, group, _ = group_quant.parse_format(fmt)
     k = 32 * blocks * max(1, group // 32)
     g = torch.Generator().manual_seed(seed)
     w = group_quant.quantize(torch.randn(n, k, generator=g), fmt)
     x = torch.randn(rows, k, generator=g)
     bias = torch.randn(n, generator=g) if with_bias else None
-    for quantized_x in (False, True):
-        y = group_quant.gemm_group(x, w, bias, quantized_x)
+    kernels = [(False, False), (True, False)]
+    if group_quant.q8_256_kernel_runs(fmt, k):
+        kernels.append((True, True))
+    for quantized_x, in_256_bits in kernels:
+        y = group_quant.gemm_group(x, w, bias, quantized_x, in_256_bits)
         expected = _reference(x, w, bias, quantized_x)
         torch.testing.assert_close(y.double(), expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
     assert torch.equal(
@@ -152,25 +157,26 @@ def test_group_kernels_compute_every_column_once_whatever_the_threads(rows):
     w = group_quant.quantize(torch.randn(1000, 256, generator=g), "q4g32m")
     x = torch.randn(rows, 256, generator=g)
     threads = torch.get_num_threads()
+    kernels = [(False, False), (True, False)] + [(True, True)] * group_quant.q8_256_kernel_runs(w.format, 256)
     try:
-        for quantized_x in (False, True):
+        for kernel in kernels:
             torch.set_num_threads(1)
-            alone = group_quant.gemm_group(x, w, None, quantized_x)
+            alone = group_quant.gemm_group(x, w, None, *kernel)
             for n in (2, 3, 8):
                 torch.set_num_threads(n)
-                assert torch.equal(group_quant.gemm_group(x, w, None, quantized_x), alone), (n, quantized_x)
+                assert torch.equal(group_quant.gemm_group(x, w, None, *kernel), alone), (n, kernel)
     finally:
         torch.set_num_threads(threads)
 
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kernel", [linear_kernels.GROUP_GEMM_C, linear_kernels.GROUP_Q8_GEMM_C])
+@pytest.mark.parametrize("kernel", linear_kernels.GROUP_GEMM_C_KERNELS)
 @pytest.mark.parametrize("gated", [False, True])
 def test_decoder_group_linear_equals_the_python_path(dtype, kernel, gated):
     """decoder.c's group_linear rounds where the Python loop does: the same tokens."""
-    if not linear_kernels.can_run(kernel, dtype, 128):
-        pytest.skip(f"{kernel} does not run {dtype} models")
+    if not linear_kernels.can_run(kernel, dtype, 128, "q4g32m", 24):
+        pytest.skip(f"{kernel} does not run {dtype} models here")
     g = torch.Generator().manual_seed(1)
     n, k, rows = 24, 128, 5
     w = group_quant.quantize(torch.randn(2 * n if gated else n, k, generator=g), "q4g32m")
@@ -182,7 +188,7 @@ def test_decoder_group_linear_equals_the_python_path(dtype, kernel, gated):
     struct = GroupWeight(w.qs.data_ptr(), w.scales.data_ptr(), mins, w.group, w.bits)
     load_library().group_linear(
         out.data_ptr(), x.data_ptr(), ctypes.byref(struct), bias.data_ptr(), rows, n, k, int(gated),
-        int(dtype == torch.bfloat16), int(kernel == linear_kernels.GROUP_Q8_GEMM_C), torch.get_num_threads(),
+        int(dtype == torch.bfloat16), GROUP_KERNELS[kernel], torch.get_num_threads(),
     )  # fmt: skip
     assert torch.equal(out, expected)
 
@@ -201,8 +207,16 @@ def test_concatenated_formats_widen_exactly():
 
 @settings(max_examples=60, deadline=None)
 @given(
-    times=st.lists(st.lists(st.floats(1e-5, 1.0), min_size=4, max_size=4), min_size=4, max_size=4),
-    given_up=st.lists(st.integers(1, 4), min_size=3, max_size=3),
+    times=st.lists(
+        st.lists(st.floats(1e-5, 1.0), min_size=4, max_size=4),
+        min_size=len(linear_kernels.GROUP_KERNELS),
+        max_size=len(linear_kernels.GROUP_KERNELS),
+    ),
+    given_up=st.lists(
+        st.integers(1, 4),
+        min_size=len(linear_kernels.GROUP_KERNELS) - 1,
+        max_size=len(linear_kernels.GROUP_KERNELS) - 1,
+    ),
 )
 def test_a_group_weight_keeps_one_layout(times, given_up):
     """Whatever the timings (kernels given up on from any bucket, infinite there; the
@@ -312,6 +326,39 @@ def test_native_loop_same_as_python_loop(gguf_fp32):
     assert gguf_fp32.engine.runner.run_decoder.native is not None
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=3)
     ours, theirs, native_steps = _both_loops(gguf_fp32, ["Hello, my name is", "The sky is"], params)
+    _assert_same(ours, theirs)
+    assert native_steps > 0
+
+
+@needs_kernels
+def test_the_native_loop_runs_each_projection_on_its_own_group_kernel(monkeypatch):
+    """decoder.c takes each projection's gemm_group.c kernel from the step's choices, so a
+    step whose projections chose different ones (the exact kernel, the int8-activation
+    one, in 256 bits where that is a kernel of its own) still runs in one call, with the
+    Python loop's tokens and log-probabilities. The choices are forced per projection in
+    place of timings, which would put every projection on one kernel here."""
+    from replica.model_loader import bundled_gguf_path
+
+    q8_256 = linear_kernels.GROUP_Q8_256_GEMM_C
+    if not linear_kernels.can_run(q8_256, torch.bfloat16, 576, "q4g32m", 960):
+        q8_256 = linear_kernels.GROUP_Q8_GEMM_C
+    kernels = {  # (out, in) of SmolLM2's projections; the 8-bit lm_head on the exact kernel
+        (960, 576): linear_kernels.GROUP_GEMM_C,
+        (576, 576): linear_kernels.GROUP_Q8_GEMM_C,
+        (3072, 576): q8_256,
+        (576, 1536): q8_256,
+    }
+
+    def forced(self, shape, max_rows=None):
+        kernel = kernels.get((shape.out_features, shape.in_features), linear_kernels.GROUP_GEMM_C)
+        return kernel_choice.LinearChoice.forced(kernel)
+
+    monkeypatch.setattr(kernel_choice.KernelChooser, "linear", forced)
+    llm = LLM(str(bundled_gguf_path()), dtype="bfloat16", max_model_len=256)
+    native = llm.engine.runner.run_decoder.native
+    assert native is not None and native._step_kernels(1) == tuple(GROUP_KERNELS[k] for k in kernels.values())
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=3)
+    ours, theirs, native_steps = _both_loops(llm, ["Hello, my name is", "The sky is"], params)
     _assert_same(ours, theirs)
     assert native_steps > 0
 

@@ -46,6 +46,7 @@ class DecoderShape(ctypes.Structure):
         *((name, _int) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim",
                                     "intermediate", "block_size", "is_bf16", "is_int8", "is_group",
                                     "kv_format")),
+        ("group_kernels", _int * 4),
         ("eps", _float), ("scale", _float), ("final_norm", _ptr),
     ]  # fmt: skip
 

@@ -19,15 +19,18 @@ static void keep_rows(char* x, int64_t row_bytes, const int64_t* rows, int64_t k
         if (rows[r] != r) memmove(x + r * row_bytes, x + rows[r] * row_bytes, (size_t)row_bytes);
 }
 
+/* The projections, as group_kernels orders them. */
+enum { QKV, O_PROJ, GATE_UP, DOWN };
+
 /* y [m, n] = x [m, k] W^T + b through gemm.c's kernel for the model's dtype, or
- * gemm_int8.c's for int8 weights (w_scale: theirs), or gemm_group.c's for group-quantized
- * ones (w_group); gated: the gate/up projection's
+ * gemm_int8.c's for int8 weights (w_scale: theirs), or for group-quantized ones (w_group)
+ * the gemm_group.c kernel projection `which` chose; gated: the gate/up projection's
  * silu(gate) * up (its weights packed as SiluMLP packs them). */
-static void linear(const DecoderShape* shape, void* y, const void* x, const void* w, const float* w_scale,
-                   const GroupWeight* w_group, const void* b, int64_t m, int64_t n, int64_t k, int gated,
-                   int num_threads) {
+static void linear(const DecoderShape* shape, int which, void* y, const void* x, const void* w,
+                   const float* w_scale, const GroupWeight* w_group, const void* b, int64_t m, int64_t n, int64_t k,
+                   int gated, int num_threads) {
     if (shape->is_group)
-        group_linear(y, x, w_group, b, m, n, k, gated, shape->is_bf16, shape->is_group == 2, num_threads);
+        group_linear(y, x, w_group, b, m, n, k, gated, shape->is_bf16, shape->group_kernels[which], num_threads);
     else if (shape->is_int8)
         gemm_i8(y, x, w, w_scale, b, m, n, k, gated, num_threads);
     else if (shape->is_bf16)
@@ -59,7 +62,7 @@ void decoder_forward(const DecoderShape* shape, const DecoderLayer* layers, cons
         /* The previous layer's MLP output joins the skip connection, then the norm. */
         rms_norm(normed, i == 0 ? residual : projected, i == 0 ? NULL : residual, L->input_norm, rows_now, E,
                  shape->eps, bf, num_threads);
-        linear(shape, qkv, normed, L->qkv, L->qkv_scale, &L->qkv_group, L->qkv_bias, rows_now, qkv_width, E, 0, num_threads);
+        linear(shape, QKV, qkv, normed, L->qkv, L->qkv_scale, &L->qkv_group, L->qkv_bias, rows_now, qkv_width, E, 0, num_threads);
         paged_attention(attended, qkv, qkv_width, D, qkv + q_width * size, qkv_width, D,
                         qkv + (q_width + kv_width) * size, qkv_width, D, cos, sin, L->k_cache, L->v_cache, step,
                         shape->num_heads, shape->num_kv_heads, (int)D, shape->block_size, shape->scale, bf,
@@ -70,10 +73,10 @@ void decoder_forward(const DecoderShape* shape, const DecoderLayer* layers, cons
             keep_rows(residual, E * size, rows, num_rows);
             rows_now = num_rows;
         }
-        linear(shape, projected, attended, L->o, L->o_scale, &L->o_group, L->o_bias, rows_now, E, q_width, 0, num_threads);
+        linear(shape, O_PROJ, projected, attended, L->o, L->o_scale, &L->o_group, L->o_bias, rows_now, E, q_width, 0, num_threads);
         rms_norm(normed, projected, residual, L->post_norm, rows_now, E, shape->eps, bf, num_threads);
-        linear(shape, act, normed, L->gate_up, L->gate_up_scale, &L->gate_up_group, L->gate_up_bias, rows_now, I, E, 1, num_threads);
-        linear(shape, projected, act, L->down, L->down_scale, &L->down_group, L->down_bias, rows_now, E, I, 0, num_threads);
+        linear(shape, GATE_UP, act, normed, L->gate_up, L->gate_up_scale, &L->gate_up_group, L->gate_up_bias, rows_now, I, E, 1, num_threads);
+        linear(shape, DOWN, projected, act, L->down, L->down_scale, &L->down_group, L->down_bias, rows_now, E, I, 0, num_threads);
     }
     rms_norm(out, projected, residual, shape->final_norm, rows_now, E, shape->eps, bf, num_threads);
 }

@@ -34,6 +34,18 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define Q8_WIDE 1
+#endif
+
+int group_q8_is_wide(void) {
+#ifdef Q8_WIDE
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 int group_gemm_available(void) { return 1; }
 
 static inline float hsum256(__m256 v) {
@@ -416,17 +428,18 @@ static void one_row_q8(float* y, const int8_t* xq, const float* xd, const float*
         column_tile_q8(y, xq, xd, xsum, qs, scales, mins, bias, 0, 1, j, n, k, group, bits);
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define Q8_WIDE 1
-#endif
-
-#ifndef Q8_WIDE
-/* 4-bit weights in pairs of blocks with 256-bit vectors (where the AVX-512 kernel below is
- * not built): half the instructions a weight of the block-at-a-time loops above. */
+/* 4-bit weights in pairs of blocks with 256-bit vectors: half the instructions a weight of
+ * the block-at-a-time loops above. Where the AVX-512 kernel below is built too, both run
+ * (gemm_group_q8 and gemm_group_q8_256) and the chooser times them: some CPUs execute a
+ * 512-bit instruction as two 256-bit halves. */
 static inline __m256i pair_dot(__m256i lo, __m256i hi, __m256i xa, __m256i xb) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, xa), hi, xb);
+#else
     /* each 16-bit sum of vpmaddubsw is at most 2 * 15 * 127, so two add exactly */
     return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xa), _mm256_maddubs_epi16(hi, xb)),
                              _mm256_set1_epi16(1));
+#endif
 }
 
 /* xq: [m][k] in pair_order; xd8: [m][k / 64][8] (lanes 0-3 the first block's scale). */
@@ -470,9 +483,9 @@ static inline __attribute__((always_inline)) void column_tile_pair(
     for (int r = 0; r < rows; r++) y[(r0 + r) * n + j] = hsum256(acc[r]) + offset[r] + b;
 }
 
-static void gemm_group_pairs(float* y, const float* x, const uint8_t* qs, const uint16_t* scales,
-                             const uint16_t* mins, const float* bias, int64_t m, int64_t n, int64_t k, int32_t group,
-                             int32_t bits, int32_t num_threads) {
+void gemm_group_q8_256(float* y, const float* x, const uint8_t* qs, const uint16_t* scales, const uint16_t* mins,
+                       const float* bias, int64_t m, int64_t n, int64_t k, int32_t group, int32_t bits,
+                       int32_t num_threads) {
     int8_t* xq = (int8_t*)malloc((size_t)(m * k));
     float* xd8 = (float*)malloc(sizeof(float) * (size_t)(m * (k / 64) * 8));
     float* xsum = mins ? (float*)malloc(sizeof(float) * (size_t)(m * (k / group))) : NULL;
@@ -483,7 +496,6 @@ static void gemm_group_pairs(float* y, const float* x, const uint8_t* qs, const 
     free(xd8);
     free(xsum);
 }
-#endif
 
 #ifdef Q8_WIDE
 /* With AVX-512, a column's pair of blocks (quantize_pairs) goes in one 64-byte vector,
@@ -580,7 +592,7 @@ void gemm_group_q8(float* y, const float* x, const uint8_t* qs, const uint16_t* 
     }
 #else
     if (bits == 4 && k % 64 == 0) {
-        gemm_group_pairs(y, x, qs, scales, mins, bias, m, n, k, group, bits, num_threads);
+        gemm_group_q8_256(y, x, qs, scales, mins, bias, m, n, k, group, bits, num_threads);
         return;
     }
 #endif
@@ -637,6 +649,7 @@ void dequantize_group(void* out, const uint8_t* qs, const uint16_t* scales, cons
 #else
 
 int group_gemm_available(void) { return 0; }
+int group_q8_is_wide(void) { return 0; }
 
 void gemm_group(float* y, const float* x, const uint8_t* qs, const uint16_t* scales, const uint16_t* mins,
                 const float* bias, int64_t m, int64_t n, int64_t k, int32_t group, int32_t bits,
@@ -652,6 +665,12 @@ void gemm_group_q8(float* y, const float* x, const uint8_t* qs, const uint16_t* 
     gemm_group(y, x, qs, scales, mins, bias, m, n, k, group, bits, num_threads);
 }
 
+void gemm_group_q8_256(float* y, const float* x, const uint8_t* qs, const uint16_t* scales, const uint16_t* mins,
+                       const float* bias, int64_t m, int64_t n, int64_t k, int32_t group, int32_t bits,
+                       int32_t num_threads) {
+    gemm_group(y, x, qs, scales, mins, bias, m, n, k, group, bits, num_threads);
+}
+
 void dequantize_group(void* out, const uint8_t* qs, const uint16_t* scales, const uint16_t* mins, int64_t n,
                       int64_t k, int32_t group, int32_t bits, int32_t is_bf16, int32_t num_threads) {
     (void)out, (void)qs, (void)scales, (void)mins, (void)n, (void)k, (void)group, (void)bits, (void)is_bf16,
@@ -662,7 +681,7 @@ void dequantize_group(void* out, const uint8_t* qs, const uint16_t* scales, cons
 #endif
 
 void group_linear(void* y, const void* x, const GroupWeight* w, const void* bias, int64_t m, int64_t n, int64_t k,
-                  int gated, int is_bf16, int quantized_x, int num_threads) {
+                  int gated, int is_bf16, int kernel, int num_threads) {
     const int64_t width = gated ? 2 * n : n;
     float* xf = is_bf16 ? (float*)malloc(sizeof(float) * (size_t)(m * k)) : (float*)x;
     float* yf = is_bf16 || gated ? (float*)malloc(sizeof(float) * (size_t)(m * width)) : (float*)y;
@@ -671,8 +690,8 @@ void group_linear(void* y, const void* x, const GroupWeight* w, const void* bias
         for (int64_t r = 0; r < m; r++) load_row(xf + r * k, x, r * k, (int)k, 1);
         if (bias) load_row(bf, bias, 0, (int)width, 1);
     }
-    (quantized_x ? gemm_group_q8 : gemm_group)(yf, xf, w->qs, w->scales, w->mins, bf, m, width, k, w->group, w->bits,
-                                              num_threads);
+    (kernel == 2 ? gemm_group_q8_256 : kernel == 1 ? gemm_group_q8 : gemm_group)(
+        yf, xf, w->qs, w->scales, w->mins, bf, m, width, k, w->group, w->bits, num_threads);
     if (gated) {
         /* As the Python loop: the projections rounded to the model's dtype, then silu * up. */
         if (is_bf16)  /* in place: each bf16 lands behind the floats still to be read */

@@ -11,7 +11,9 @@ their integers in int8.
 
 The kernels (kernel_choice.py times them on the machine, per row count):
 - gemm_group.c's: sums q * x per group in fp32 and scales the sum, so the result is the
-  dequantized weight's product up to summation order; x in fp32;
+  dequantized weight's product up to summation order; x in fp32 (gemm_group) or rounded to
+  int8 per 32-block (gemm_group_q8, and for 4-bit weights on AVX-512 CPUs also
+  gemm_group_q8_256, its 256-bit twin: on some CPUs 512-bit vectors run as two halves);
 - torch's int4 CPU kernel (_weight_int4pack_mm_for_cpu), for 4-bit weights: it takes
   w = (q - 8) * scale + zero, with scale and zero in x's dtype;
 - the weight dequantized at each call into x's dtype, then F.linear (oneDNN or BLAS):
@@ -172,19 +174,36 @@ def q8_kernel_runs(w_format: str) -> bool:
     return group == 16 or group % 32 == 0
 
 
+def q8_256_kernel_runs(w_format: str, in_features: int) -> bool:
+    """gemm_group_q8_256 is a kernel of its own where gemm_group_q8 runs 512-bit vectors
+    (elsewhere gemm_group_q8 runs it), for 4-bit weights in pairs of 32-blocks."""
+    bits, _, _ = parse_format(w_format)
+    if bits != 4 or in_features % 64 != 0 or not group_gemm_available():
+        return False
+    return bool(load_library().group_q8_is_wide())
+
+
 def gemm_group(
-    x: torch.Tensor, w: GroupQuantWeight, bias: torch.Tensor | None, quantized_x: bool = False
+    x: torch.Tensor,
+    w: GroupQuantWeight,
+    bias: torch.Tensor | None,
+    quantized_x: bool = False,
+    in_256_bits: bool = False,
 ) -> torch.Tensor:
     """x [rows, k] times w, plus bias (fp32): [rows, n] in x's dtype. quantized_x: x
-    quantized per 32-block to int8 (gemm_group_q8), else exact in fp32."""
+    quantized per 32-block to int8 (gemm_group_q8, or gemm_group_q8_256 with
+    in_256_bits), else exact in fp32."""
     if quantized_x and not q8_kernel_runs(w.format):
         raise ValueError(f"the int8-activation kernel does not run {w.format} (groups of 16 or of 32s)")
+    if in_256_bits and not (quantized_x and q8_256_kernel_runs(w.format, w.shape[1])):
+        raise ValueError(f"the 256-bit int8-activation kernel does not run {w.format} [{w.shape[1]} in] here")
     n, k = w.shape
     xf = x.float().contiguous()
     bias_f = None if bias is None else bias.float().contiguous()  # held: the kernel reads it
     out = xf.new_empty((xf.shape[0], n))
     lib = load_library()
-    (lib.gemm_group_q8 if quantized_x else lib.gemm_group)(
+    kernel = lib.gemm_group_q8_256 if in_256_bits else lib.gemm_group_q8 if quantized_x else lib.gemm_group
+    kernel(
         out.data_ptr(), xf.data_ptr(), w.qs.data_ptr(), w.scales.data_ptr(),
         None if w.mins is None else w.mins.data_ptr(), None if bias_f is None else bias_f.data_ptr(),
         xf.shape[0], n, k, w.group, w.bits, torch.get_num_threads(),

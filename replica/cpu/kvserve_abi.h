@@ -56,11 +56,13 @@ typedef struct {
 } DecoderLayer;
 
 /* The model's shapes, the same in every layer, its dtype (bf16 or fp32), whether the
- * linears' weights are int8 (gemm_i8's, for fp32 models) or group-quantized (is_group: 1
- * for gemm_group's kernel, 2 for gemm_group_q8's) and the KV cache's kv_format. */
+ * linears' weights are int8 (gemm_i8's, for fp32 models) or group-quantized (is_group;
+ * group_kernels: group_linear's kernel for the qkv, o, gate/up and down projections, in
+ * that order) and the KV cache's kv_format. */
 typedef struct {
     int num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size, is_bf16, is_int8;
     int is_group, kv_format;
+    int group_kernels[4];
     float eps, scale;
     const void* final_norm;
 } DecoderShape;
@@ -120,14 +122,21 @@ void gemm_group(float* y, const float* x, const uint8_t* qs, const uint16_t* sca
 void gemm_group_q8(float* y, const float* x, const uint8_t* qs, const uint16_t* scales, const uint16_t* mins,
                    const float* bias, int64_t m, int64_t n, int64_t k, int32_t group, int32_t bits,
                    int32_t num_threads);
+/* 4-bit weights, k a multiple of 64: gemm_group_q8's arithmetic in 256-bit vectors, a
+ * second kernel where group_q8_is_wide() (gemm_group_q8 runs 512-bit ones), else the one
+ * gemm_group_q8 runs for such weights */
+int group_q8_is_wide(void);
+void gemm_group_q8_256(float* y, const float* x, const uint8_t* qs, const uint16_t* scales, const uint16_t* mins,
+                       const float* bias, int64_t m, int64_t n, int64_t k, int32_t group, int32_t bits,
+                       int32_t num_threads);
 /* out [n, k] = the weight, in the model's dtype */
 void dequantize_group(void* out, const uint8_t* qs, const uint16_t* scales, const uint16_t* mins, int64_t n,
                       int64_t k, int32_t group, int32_t bits, int32_t is_bf16, int32_t num_threads);
 /* y [m, n] = x [m, k] W^T + b in the model's dtype (b too), through gemm_group
- * (quantized_x 0) or gemm_group_q8 (1); gated: W holds the gate's n rows, then the up
- * projection's, and y is silu(gate) * up. */
+ * (kernel 0), gemm_group_q8 (1) or gemm_group_q8_256 (2); gated: W holds the gate's n
+ * rows, then the up projection's, and y is silu(gate) * up. */
 void group_linear(void* y, const void* x, const GroupWeight* w, const void* bias, int64_t m, int64_t n, int64_t k,
-                  int gated, int is_bf16, int quantized_x, int num_threads);
+                  int gated, int is_bf16, int kernel, int num_threads);
 
 /* decoder.c */
 void decoder_forward(const DecoderShape* shape, const DecoderLayer* layers, const StepLayout* step, void* residual,

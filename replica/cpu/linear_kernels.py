@@ -16,17 +16,19 @@ from replica.cpu.group_quant import GroupQuantWeight, TorchInt4Weight
 
 GEMM_C, ONEDNN, TORCH = "gemm.c", "onednn", "torch"
 INT8_GEMM_C, INT8_TORCH = "int8 gemm.c", "int8 torch"
-# gemm_group.c's exact kernel, its int8-activation one, torch's int4 kernel, and the weight
-# dequantized at each call for F.linear.
-GROUP_GEMM_C, GROUP_Q8_GEMM_C, GROUP_TORCH, GROUP_DEQUANT = (
+# gemm_group.c's exact kernel, its int8-activation one (and that one's 256-bit twin on
+# AVX-512 CPUs), torch's int4 kernel, and the weight dequantized at each call for F.linear.
+GROUP_GEMM_C, GROUP_Q8_GEMM_C, GROUP_Q8_256_GEMM_C, GROUP_TORCH, GROUP_DEQUANT = (
     "group gemm.c",
     "group q8 gemm.c",
+    "group q8 256-bit gemm.c",
     "group torch",
     "group dequant",
 )
 LINEAR_KERNELS = (GEMM_C, ONEDNN, TORCH)
 INT8_KERNELS = (INT8_GEMM_C, INT8_TORCH)
-GROUP_KERNELS = (GROUP_GEMM_C, GROUP_Q8_GEMM_C, GROUP_TORCH, GROUP_DEQUANT)
+GROUP_GEMM_C_KERNELS = (GROUP_GEMM_C, GROUP_Q8_GEMM_C, GROUP_Q8_256_GEMM_C)
+GROUP_KERNELS = (*GROUP_GEMM_C_KERNELS, GROUP_TORCH, GROUP_DEQUANT)
 # The kernels whose threads take panels as they come free, so that a thread whose core is
 # taken for a moment holds up only its own panels: in an fp32 model gemm.c's fp32 kernel
 # and gemm_int8.c, and in any model gemm_group.c's (each thread streams its own share of
@@ -34,7 +36,7 @@ GROUP_KERNELS = (GROUP_GEMM_C, GROUP_Q8_GEMM_C, GROUP_TORCH, GROUP_DEQUANT)
 # give each thread a fixed share; so does gemm.c's bf16 kernel (a thread's panels stay in
 # its cache between row chunks).
 FP32_SHARING_KERNELS = (GEMM_C, INT8_GEMM_C)
-GROUP_SHARING_KERNELS = (GROUP_GEMM_C, GROUP_Q8_GEMM_C)
+GROUP_SHARING_KERNELS = GROUP_GEMM_C_KERNELS
 Weight = torch.Tensor | int8.Int8Weight | GroupQuantWeight | TorchInt4Weight
 
 
@@ -43,17 +45,15 @@ def can_run(
 ) -> bool:
     """quantization: a group-quantized weight's format (group_quant.py), for the group
     kernels, with its out_features."""
-    if kernel in (GROUP_GEMM_C, GROUP_Q8_GEMM_C):
-        # The int8-activation kernel rounds x to 8 bits a 32-block, which a bf16 model's
+    if kernel in GROUP_GEMM_C_KERNELS:
+        # The int8-activation kernels round x to 8 bits a 32-block, which a bf16 model's
         # activations already are to 8 significant bits; an fp32 model gets the exact one.
         exact = kernel == GROUP_GEMM_C or dtype == torch.bfloat16
-        if (
-            kernel == GROUP_Q8_GEMM_C
-            and quantization is not None
-            and not group_quant.q8_kernel_runs(quantization)
-        ):
-            return False
-        return exact and in_features % 32 == 0 and group_quant.group_gemm_available()
+        if kernel == GROUP_Q8_256_GEMM_C:
+            fits = quantization is not None and group_quant.q8_256_kernel_runs(quantization, in_features)
+        else:
+            fits = kernel == GROUP_GEMM_C or quantization is None or group_quant.q8_kernel_runs(quantization)
+        return fits and exact and in_features % 32 == 0 and group_quant.group_gemm_available()
     if kernel == GROUP_TORCH:
         return quantization is not None and group_quant.torch_int4_runs(quantization, out_features)
     if kernel == GROUP_DEQUANT:
@@ -119,8 +119,8 @@ def run(
     gated: bool,
 ) -> torch.Tensor:
     """x [rows, in] -> [rows, out_features]; for a gated weight, silu(gate) * up."""
-    if kernel in (GROUP_GEMM_C, GROUP_Q8_GEMM_C):
-        y = group_quant.gemm_group(x, weight, bias, quantized_x=kernel == GROUP_Q8_GEMM_C)
+    if kernel in GROUP_GEMM_C_KERNELS:
+        y = group_quant.gemm_group(x, weight, bias, kernel != GROUP_GEMM_C, kernel == GROUP_Q8_256_GEMM_C)
     elif kernel == GROUP_TORCH:
         y = group_quant.mm_torch_int4(x, weight, bias)
     elif kernel == GROUP_DEQUANT:

@@ -6,7 +6,8 @@ It runs where every linear has a layout for one of the kernels decoder.c calls (
 bf16 on AVX512-BF16 CPUs, fp32 on AVX2 ones; gemm_int8.c's, for an fp32 model with
 int8 weights; or one of gemm_group.c's, for a GGUF's group-quantized weights) and the
 layers have no parts it lacks (tensor-parallel reductions, Qwen3's q/k norms), and only
-in steps whose every linear chose that kernel at the step's row count and whose
+in steps whose every linear chose that kernel at the step's row count (for group weights:
+one of gemm_group.c's kernels, the same for a projection in every layer) and whose
 attention the C kernel does entirely (not fresh prefills that SDPA attends where it
 measured faster). Anywhere else FusedDecoder's Python loop runs the
 kernels chosen for the step."""
@@ -21,10 +22,14 @@ from replica.cpu.abi import DecoderLayer, DecoderShape, GroupWeight
 from replica.cpu.build import load_library
 from replica.cpu.group_quant import GroupQuantWeight
 from replica.cpu.int8 import Int8Weight
-from replica.cpu.linear_kernels import GEMM_C, GROUP_GEMM_C, GROUP_Q8_GEMM_C, INT8_GEMM_C
+from replica.cpu.linear_kernels import GEMM_C, GROUP_GEMM_C, GROUP_Q8_256_GEMM_C, GROUP_Q8_GEMM_C, INT8_GEMM_C
 
-# decoder.c's is_group for each group kernel
-GROUP_KINDS = {GROUP_GEMM_C: 1, GROUP_Q8_GEMM_C: 2}
+# group_linear's number for each of gemm_group.c's kernels (decoder.c's group_kernels)
+GROUP_KERNELS = {GROUP_GEMM_C: 0, GROUP_Q8_GEMM_C: 1, GROUP_Q8_256_GEMM_C: 2}
+# NativeDecoder.kernel where every linear holds group-quantized weights: each projection
+# runs the one of GROUP_KERNELS it chose at the step's rows.
+GROUP = "gemm_group.c"
+NO_GROUP_KERNELS = (0, 0, 0, 0)
 
 
 class NativeDecoder:
@@ -44,12 +49,12 @@ class NativeDecoder:
             intermediate=mlp.gate_up.out_features,
             is_bf16=int(self.dtype == torch.bfloat16),
             is_int8=int(self.kernel == INT8_GEMM_C),
-            is_group=GROUP_KINDS.get(self.kernel, 0),
+            is_group=int(self.kernel == GROUP),
             eps=fused.norm.eps,
             scale=attention.scaling,
             final_norm=fused.norm.weight.data_ptr(),
         )
-        self._linears = _linears(fused)
+        self._projections = _projections(fused)
         self._weights = [
             dict(
                 input_norm=norm_in.weight,
@@ -64,7 +69,7 @@ class NativeDecoder:
             )
         ]
         self._layers, self._caches_seen = None, None
-        self._all_native: dict[int, bool] = {}  # rows -> every linear runs self.kernel there
+        self._kernels_at: dict[int, tuple[int, ...] | None] = {}  # rows -> _step_kernels(rows)
         self._scratch = torch.empty(0, dtype=self.dtype)
         self._lib = load_library()
 
@@ -93,13 +98,14 @@ class NativeDecoder:
     ):
         """residual [T, E] (the embeddings; overwritten) -> final hidden states [R, E], or
         None where this step's linears or attention need the Python loop."""
-        if not self._runs_native(residual.shape[0]):
+        group_kernels = self._step_kernels(residual.shape[0])
+        if group_kernels is None:
             return None
         ctx = get_forward_context()
         layout, fresh_runs = ops.step_layout(ctx.metadata)
         if fresh_runs:
             return None
-        shape = self._bind(ctx)
+        shape = self._bind(ctx, group_kernels)
         num_tokens = residual.shape[0]
         needed = self._lib.decoder_scratch_elements(ctypes.byref(shape), num_tokens)
         if self._scratch.numel() < needed:
@@ -114,14 +120,23 @@ class NativeDecoder:
         )  # fmt: skip
         return out
 
-    def _runs_native(self, rows: int) -> bool:
-        if rows not in self._all_native:
-            self._all_native[rows] = all(m.choice.kernel_for(rows) == self.kernel for m in self._linears)
-        return self._all_native[rows]
+    def _step_kernels(self, rows: int) -> tuple[int, ...] | None:
+        """decoder.c's group_kernels for a step of `rows` (NO_GROUP_KERNELS for a model
+        without group weights), or None where some linear runs a kernel decoder.c lacks."""
+        if rows not in self._kernels_at:
+            chosen = [{m.choice.kernel_for(rows) for m in kind} for kind in self._projections]
+            if self.kernel != GROUP:
+                native = all(kernels == {self.kernel} for kernels in chosen)
+                self._kernels_at[rows] = NO_GROUP_KERNELS if native else None
+            elif all(len(kernels) == 1 and kernels <= GROUP_KERNELS.keys() for kernels in chosen):
+                self._kernels_at[rows] = tuple(GROUP_KERNELS[kernels.pop()] for kernels in chosen)
+            else:
+                self._kernels_at[rows] = None
+        return self._kernels_at[rows]
 
-    def _bind(self, ctx) -> DecoderShape:
-        """The layers' struct array with the context's KV cache and scales, rebuilt when
-        either changes."""
+    def _bind(self, ctx, group_kernels: tuple[int, ...]) -> DecoderShape:
+        """The model's shapes for a step, and the layers' struct array with the context's
+        KV cache and scales, rebuilt when either changes."""
         kv_caches = ctx.kv_caches
         seen = (tuple((k.data_ptr(), v.data_ptr()) for k, v in kv_caches), tuple(ctx.kv_scales or ()))
         if seen != self._caches_seen:
@@ -140,33 +155,47 @@ class NativeDecoder:
             )
             self._caches_seen, self.block_size = seen, kv_caches[0][0].shape[2]
             self.kv_format = ops.kv_format(kv_caches[0][0].dtype, self.dtype)
-        return DecoderShape(**self._shape_args, block_size=self.block_size, kv_format=self.kv_format)
+        return DecoderShape(
+            **self._shape_args,
+            block_size=self.block_size,
+            kv_format=self.kv_format,
+            group_kernels=(ctypes.c_int * 4)(*group_kernels),
+        )
+
+
+def _projections(fused) -> list[list]:
+    """Each layer's qkv, o, gate/up and down projections, in group_kernels' order."""
+    return [
+        [a.qkv for a in fused.attentions],
+        [a.o_proj for a in fused.attentions],
+        [mlp.gate_up for mlp in fused.mlps],
+        [mlp.down for mlp in fused.mlps],
+    ]
 
 
 def _linears(fused) -> list:
-    linears = [m for a in fused.attentions for m in (a.qkv, a.o_proj)]
-    return linears + [m for mlp in fused.mlps for m in (mlp.gate_up, mlp.down)]
+    return [m for kind in _projections(fused) for m in kind]
+
+
+def _group_layout(linear) -> tuple[GroupQuantWeight, torch.Tensor | None] | None:
+    """The file's integers (which all of gemm_group.c's kernels read) with the bias, where
+    `linear` holds them."""
+    return next((wb for wb in linear.layouts.values() if isinstance(wb[0], GroupQuantWeight)), None)
 
 
 def _kernel(fused) -> str | None:
-    """The kernel decoder.c runs the linears with: one of gemm_group.c's where every linear
-    has group-quantized weights, gemm_int8.c's where every linear has int8 weights (an
-    fp32 model), else gemm.c's where every linear has its layout."""
+    """The kernels decoder.c runs the linears with: gemm_group.c's (GROUP) where every
+    linear holds group-quantized weights, gemm_int8.c's where every linear has int8
+    weights (an fp32 model), else gemm.c's where every linear has its layout."""
     linears = _linears(fused)
-    fp32 = fused.norm.weight.dtype == torch.float32
-    candidates = (
-        (GROUP_Q8_GEMM_C, GROUP_GEMM_C, INT8_GEMM_C, GEMM_C)
-        if fp32
-        else (GROUP_Q8_GEMM_C, GROUP_GEMM_C, GEMM_C)
-    )
-    for kernel in candidates:
-        if all(m.layout(kernel) is not None for m in linears):
-            return kernel
-    return None
+    if all(_group_layout(m) is not None for m in linears):
+        return GROUP
+    candidates = (INT8_GEMM_C, GEMM_C) if fused.norm.weight.dtype == torch.float32 else (GEMM_C,)
+    return next((k for k in candidates if all(m.layout(k) is not None for m in linears)), None)
 
 
 def _packed(name: str, linear, kernel: str) -> dict:
-    weight, bias = linear.layout(kernel)
+    weight, bias = _group_layout(linear) if kernel == GROUP else linear.layout(kernel)
     if isinstance(weight, GroupQuantWeight):
         return {name: weight.qs, f"{name}_bias": bias, f"{name}_group": weight}
     if isinstance(weight, Int8Weight):
