@@ -183,10 +183,14 @@ def test_a_full_waiting_queue_answers_429_and_resource_exhausted(ray_cluster, mo
         # Long enough that the queue is still full for both refusals on a busy machine
         # (each refusal is one round trip; the running request takes seconds).
         body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 128, "ignore_eos": True}
+        # serve.run returns before every HTTP proxy routes the app (until then: 404)
+        wait_for(lambda: httpx.get(f"http://127.0.0.1:{SERVE_HTTP_PORT}/{app}/v1/models").status_code == 200)
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             futures = [pool.submit(stream_completion, url, body) for _ in range(2)]
 
             def full() -> bool:
+                ended = [f.result() for f in futures if f.done()]
+                assert not ended, f"a request ended before the queue filled: {ended}"
                 (stats,) = coordinator_snapshot(app).values() or [None]
                 return stats is not None and stats.num_running == 1 and stats.num_waiting == 1
 

@@ -129,7 +129,7 @@ class NativeDecoder:
                 native = all(kernels == {self.kernel} for kernels in chosen)
                 self._kernels_at[rows] = NO_GROUP_KERNELS if native else None
             elif all(len(kernels) == 1 and kernels <= GROUP_KERNELS.keys() for kernels in chosen):
-                self._kernels_at[rows] = tuple(GROUP_KERNELS[kernels.pop()] for kernels in chosen)
+                self._kernels_at[rows] = tuple(GROUP_KERNELS[next(iter(kernels))] for kernels in chosen)
             else:
                 self._kernels_at[rows] = None
         return self._kernels_at[rows]
