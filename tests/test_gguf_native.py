@@ -28,7 +28,6 @@ from replica.cpu import group_quant, kernel_choice, linear_kernels
 from replica.cpu.abi import GroupWeight
 from replica.cpu.build import load_library
 from replica.cpu.group_quant import GroupQuantWeight, TorchInt4Weight
-from replica.cpu.native_decoder import GROUP_KERNELS
 
 gguf = pytest.importorskip("gguf", reason="gguf-py reads GGUF files (a transformers extra)")
 needs_kernels = pytest.mark.skipif(
@@ -190,9 +189,80 @@ def test_decoder_group_linear_equals_the_python_path(dtype, kernel, gated):
     struct = GroupWeight(w.qs.data_ptr(), w.scales.data_ptr(), mins, w.group, w.bits)
     load_library().group_linear(
         out.data_ptr(), x.data_ptr(), ctypes.byref(struct), bias.data_ptr(), rows, n, k, int(gated),
-        int(dtype == torch.bfloat16), GROUP_KERNELS[kernel], torch.get_num_threads(),
+        int(dtype == torch.bfloat16), linear_kernels.GROUP_LINEAR_KERNEL[kernel], torch.get_num_threads(),
     )  # fmt: skip
     assert torch.equal(out, expected)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kernel", linear_kernels.GROUP_GEMM_C_KERNELS)
+@pytest.mark.parametrize("gated", [False, True])
+def test_group_linear_each_runs_the_weights_in_turn(kernel, gated):
+    """What the chooser times: group_linear with weights[start:start + count] one after
+    another, leaving the last one's product (which the Python path gives for it)."""
+    if not linear_kernels.can_run(kernel, torch.bfloat16, 128, "q4g32m", 24):
+        pytest.skip(f"{kernel} does not run here")
+    g = torch.Generator().manual_seed(3)
+    n, k = 24, 128
+    weights = [
+        group_quant.quantize(torch.randn(2 * n if gated else n, k, generator=g), "q4g32m") for _ in range(4)
+    ]
+    structs = (GroupWeight * 4)(*(w.struct() for w in weights))
+    x = torch.randn(3, k, generator=g).to(torch.bfloat16)
+    number = linear_kernels.GROUP_LINEAR_KERNEL[kernel]
+    for start, count in [(0, 4), (1, 2), (2, 1)]:
+        out = group_quant.group_linear_each(x, structs, start, count, None, n, gated, number)
+        expected = linear_kernels.run(kernel, x, weights[start + count - 1], None, n, gated)
+        assert torch.equal(out, expected), (start, count)
+    with pytest.raises(IndexError, match=r"weights\[3:5\] of 4"):
+        group_quant.group_linear_each(x, structs, 3, 2, None, n, gated, number)
+
+
+@needs_kernels
+def test_the_chooser_times_gemm_group_kernels_per_call_from_c(monkeypatch):
+    """time_linears runs gemm_group.c's kernels IN_C_ROWS rows' worth of calls from C at
+    a time, and counts each call; other kernels, one call from Python at a time."""
+    calls = []
+    each = group_quant.group_linear_each
+
+    def counted(x, weights, start, count, *args):
+        calls.append((x.shape[0], count))
+        return each(x, weights, start, count, *args)
+
+    def one_second_a_call(timed):
+        for call in timed.values():
+            call()
+        return dict.fromkeys(timed, 1.0)
+
+    monkeypatch.setattr(group_quant, "group_linear_each", counted)
+    monkeypatch.setattr(kernel_choice, "_time_rounds", one_second_a_call)
+    shape = kernel_choice.LinearShape(64, 128, torch.bfloat16, quantization="q4g32m")
+    kernels = [
+        k
+        for k in linear_kernels.GROUP_KERNELS
+        if linear_kernels.can_run(k, torch.bfloat16, 128, "q4g32m", 64)
+    ]
+    seconds = kernel_choice.time_linears(kernels, shape, (1, 8, 64, 128))
+    in_c = [k for k in kernels if k in linear_kernels.GROUP_GEMM_C_KERNELS]
+    per_call = {1: 64, 8: 8, 64: 1, 128: 1}  # the copies outnumber IN_C_ROWS
+    assert kernel_choice.IN_C_ROWS == 64 and calls
+    assert sorted(set(calls)) == sorted(per_call.items())
+    assert {k: seconds[k] for k in in_c} == {k: [1 / per_call[r] for r in (1, 8, 64, 128)] for k in in_c}
+    assert seconds[linear_kernels.GROUP_DEQUANT] == [1.0] * 4
+
+
+@given(faster=st.floats(1e-9, 0.5))
+def test_gemm_group_kernels_take_row_counts_from_each_other_on_any_gain(faster):
+    """gemm_group.c's kernels share a layout and each runs in decoder.c's loop: one that is
+    faster than the default by any amount takes the rows; a kernel of another layout (the
+    dequantizing one) must be faster by more than MARGIN."""
+    default, rival = linear_kernels.GROUP_Q8_GEMM_C, linear_kernels.GROUP_Q8_256_GEMM_C
+    buckets, slower = (1, 8), [1.0, 1.0]
+    quicker = [1.0 / (1.0 + faster)] * 2
+    assert kernel_choice.fastest(buckets, {default: slower, rival: quicker}).kernel_for(1) == rival
+    dequant = kernel_choice.fastest(buckets, {default: slower, linear_kernels.GROUP_DEQUANT: quicker})
+    wins = faster > kernel_choice.MARGIN
+    assert dequant.kernel_for(1) == (linear_kernels.GROUP_DEQUANT if wins else default)
 
 
 def test_concatenated_formats_widen_exactly():
@@ -358,7 +428,9 @@ def test_the_native_loop_runs_each_projection_on_its_own_group_kernel(monkeypatc
     monkeypatch.setattr(kernel_choice.KernelChooser, "linear", forced)
     llm = LLM(str(bundled_gguf_path()), dtype="bfloat16", max_model_len=256)
     native = llm.engine.runner.run_decoder.native
-    assert native is not None and native._step_kernels(1) == tuple(GROUP_KERNELS[k] for k in kernels.values())
+    assert native is not None and native._step_kernels(1) == tuple(
+        linear_kernels.GROUP_LINEAR_KERNEL[k] for k in kernels.values()
+    )
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=3)
     ours, theirs, native_steps = _both_loops(llm, ["Hello, my name is", "The sky is"], params)
     _assert_same(ours, theirs)

@@ -25,6 +25,7 @@ from replica.cpu.kernel_choice import (
     LinearChoice,
     fastest,
     interpolated,
+    margin,
     sharing_rows,
     time_buckets,
 )
@@ -62,7 +63,7 @@ def trusted(buckets, seconds, default, kernel, i) -> bool:
     not run next to that bucket (noise, in the timings seen)."""
 
     def beats(j):
-        return seconds[kernel][j] * (1 + MARGIN) < seconds[default][j]
+        return seconds[kernel][j] * (1 + margin(kernel, default)) < seconds[default][j]
 
     inner = 0 < i < len(buckets) - 1
     return kernel == default or not (

@@ -704,3 +704,13 @@ void group_linear(void* y, const void* x, const GroupWeight* w, const void* bias
     if (yf != (float*)y) free(yf);
     if (bf != (const float*)bias) free(bf);
 }
+
+/* What kernel_choice.py times: a projection as decoder.c's step calls it, once a layer with
+ * that layer's weight and no call from Python in between. A one-row call from Python
+ * carries tens of microseconds of argument handling and tensor conversion, the same for
+ * every kernel, which would shrink the kernels' ratio under the chooser's margin. */
+void group_linear_each(void* y, const void* x, const GroupWeight* weights, int64_t count, const void* bias, int64_t m,
+                       int64_t n, int64_t k, int gated, int is_bf16, int kernel, int num_threads) {
+    for (int64_t i = 0; i < count; i++)
+        group_linear(y, x, &weights[i], bias, m, n, k, gated, is_bf16, kernel, num_threads);
+}

@@ -20,12 +20,14 @@ The kernels (kernel_choice.py times them on the machine, per row count):
   for large prefills, where the GEMM's arithmetic dwarfs the dequantization. It holds no
   dense copy between calls, so memory stays that of the integers."""
 
+import ctypes
 import re
 from dataclasses import dataclass
 
 import torch
 from torch.nn import functional as F
 
+from replica.cpu.abi import GroupWeight
 from replica.cpu.build import load_library
 
 TORCH_INT4_GROUPS = (32, 64, 128, 256)  # the group sizes torch's int4 kernel takes
@@ -53,6 +55,12 @@ class GroupQuantWeight:
         """e.g. "q4g32m": bits, group size, and whether it has mins; kernel timings are
         kept per format."""
         return f"q{self.bits}g{self.group}{'m' if self.mins is not None else ''}"
+
+    def struct(self) -> GroupWeight:
+        """The weight's addresses and format as gemm_group.c's group_linear takes them
+        (the tensors stay this object's)."""
+        mins = None if self.mins is None else self.mins.data_ptr()
+        return GroupWeight(self.qs.data_ptr(), self.scales.data_ptr(), mins, self.group, self.bits)
 
     def nbytes(self) -> int:
         tensors = [self.qs, self.scales] + ([] if self.mins is None else [self.mins])
@@ -209,6 +217,34 @@ def gemm_group(
         xf.shape[0], n, k, w.group, w.bits, torch.get_num_threads(),
     )  # fmt: skip
     return out.to(x.dtype)
+
+
+def group_linear_each(
+    x: torch.Tensor,
+    weights: ctypes.Array,
+    start: int,
+    count: int,
+    bias: torch.Tensor | None,
+    out_features: int,
+    gated: bool,
+    kernel: int,
+) -> torch.Tensor:
+    """decoder.c's group_linear with each of weights[start: start + count]
+    (GroupQuantWeight.struct()s of one shape) in turn, in one call from Python: x [rows, k]
+    in the model's dtype, the bias too; kernel: group_linear's
+    (linear_kernels.GROUP_LINEAR_KERNEL). Returns the last weight's output, [rows,
+    out_features] (gated: silu(gate) * up)."""
+    if not 0 <= start <= start + count <= len(weights):
+        raise IndexError(f"weights[{start}:{start + count}] of {len(weights)}")
+    out = x.new_empty((x.shape[0], out_features))
+    address = ctypes.addressof(weights) + start * ctypes.sizeof(GroupWeight)
+    first = ctypes.cast(address, ctypes.POINTER(GroupWeight))
+    load_library().group_linear_each(
+        out.data_ptr(), x.data_ptr(), first, count, None if bias is None else bias.data_ptr(),
+        x.shape[0], out_features, x.shape[1], int(gated),
+        int(x.dtype == torch.bfloat16), kernel, torch.get_num_threads(),
+    )  # fmt: skip
+    return out
 
 
 @dataclass

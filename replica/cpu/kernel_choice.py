@@ -35,6 +35,7 @@ import torch
 
 from replica.config import CPU_KERNEL_CHOICES
 from replica.cpu import group_quant, linear_kernels, ops
+from replica.cpu.abi import GroupWeight
 from replica.cpu.build import library_key
 from replica.cpu.group_quant import GroupQuantWeight
 from replica.cpu.machine import fingerprint
@@ -51,6 +52,7 @@ FRESH_CHUNKS, FRESH_CHUNK = 4, 128
 # F.linear beat oneDNN at rows where it lost inside the model.
 STREAMED_BYTES = 128 << 20
 MIN_TIMED_S = 0.002  # a timing repeats one call until this much time has passed
+IN_C_ROWS = 64  # time_linears calls gemm_group.c's kernels from C this many rows' worth at a time
 ROUNDS = 3  # timings per candidate; the best counts
 # The least part of a step's linear time that work-sharing kernels take for a pinned
 # replica to run that step on every core (sharing_rows, CorePlan).
@@ -148,6 +150,16 @@ def interpolated(buckets: tuple[int, ...], seconds: list[float], rows: int) -> f
     return seconds[i - 1] + (seconds[i] - seconds[i - 1]) * (rows - low) / (high - low)
 
 
+def margin(kernel: str, default: str) -> float:
+    """How much faster than fastest()'s default `kernel` must be to run in its place:
+    MARGIN, but none between gemm_group.c's kernels. They read one layout and each runs in
+    decoder.c's one-call loop, so a choice between them that flips on noise costs neither;
+    and a step finds part of a small model's weights in cache, where the kernel that
+    computes faster gains more than a timing that reads every weight from memory shows."""
+    same_layout = {kernel, default} <= set(linear_kernels.GROUP_GEMM_C_KERNELS)
+    return 0.0 if same_layout else MARGIN
+
+
 def fastest(buckets: tuple[int, ...], seconds: dict[str, list[float]]) -> LinearChoice:
     """The fastest kernel at every row count up to the last bucket; seconds[kernel][i] is
     its time at buckets[i], and times in between are interpolated: a step's rows fall
@@ -155,8 +167,8 @@ def fastest(buckets: tuple[int, ...], seconds: dict[str, list[float]]) -> Linear
     lose well below it. The default (for a group-quantized weight, gemm_group.c's
     int8-activation kernel where it runs, in bf16 models, else its exact one; an int8
     kernel where one was timed; else gemm.c where it runs, else oneDNN, else the first
-    kernel) keeps a row count unless another
-    kernel beats it by more than MARGIN: a choice that flips on noise costs a second
+    kernel) keeps a row count unless another kernel beats it by more than margin()
+    (MARGIN, but none between gemm_group.c's kernels): a choice that flips on noise costs a second
     weight layout (for a quantized linear, a float one beside the int8 one), and gemm.c
     (or its int8 or group kernel) is the default because decoder.c's one-call step loop runs only
     in steps where every linear chose it, which saves per-kernel calls a linear timed
@@ -178,7 +190,7 @@ def fastest(buckets: tuple[int, ...], seconds: dict[str, list[float]]) -> Linear
     default = next((k for k in preferred if k in seconds), next(iter(seconds)))
 
     def beats_default(kernel: str, i: int) -> bool:
-        return seconds[kernel][i] * (1 + MARGIN) < seconds[default][i]
+        return seconds[kernel][i] * (1 + margin(kernel, default)) < seconds[default][i]
 
     def lone_win(kernel: str, i: int) -> bool:
         return (
@@ -200,7 +212,7 @@ def fastest(buckets: tuple[int, ...], seconds: dict[str, list[float]]) -> Linear
             if all(trusted[kernel][i] for i in around)
         }
         best = min(times, key=times.__getitem__)
-        kernel = best if times[best] * (1 + MARGIN) < times[default] else default
+        kernel = best if times[best] * (1 + margin(best, default)) < times[default] else default
         if kernels and kernels[-1] == kernel:
             bounds[-1] = rows
         else:
@@ -308,7 +320,10 @@ def time_buckets(
 def time_linears(kernels: list[str], shape: LinearShape, buckets: tuple[int, ...]) -> dict[str, list[float]]:
     """Seconds per call of each kernel on a random weight of `shape` at each bucket's
     rows (time_buckets), cycling through copies of the weight so that each call reads it
-    from memory, as a step reads each layer's weights once."""
+    from memory, as a step reads each layer's weights once. gemm_group.c's kernels are
+    called from C, IN_C_ROWS rows' worth of calls at a time, as decoder.c's one-call step
+    calls them: a call from Python costs tens of microseconds, the same for every kernel,
+    which at one row hides most of the difference between two of them."""
     g = torch.Generator().manual_seed(0)
     weight = (torch.randn(shape.out_features, shape.in_features, generator=g) * 0.02).to(shape.dtype)
     if group_quant.is_format(shape.quantization):
@@ -318,21 +333,36 @@ def time_linears(kernels: list[str], shape: LinearShape, buckets: tuple[int, ...
     )
     copies = max(1, min(256, STREAMED_BYTES // weight_bytes))
     out_features = shape.out_features // (2 if shape.gated else 1)
-    layouts = {
-        kernel: itertools.cycle(
-            [linear_kernels.pack(kernel, copy.deepcopy(weight), None, shape.gated) for _ in range(copies)]
-        )
+    packed = {
+        kernel: [linear_kernels.pack(kernel, copy.deepcopy(weight), None, shape.gated) for _ in range(copies)]
         for kernel in kernels
+    }
+    layouts = {kernel: itertools.cycle(layouts) for kernel, layouts in packed.items()}
+    # gemm_group.c's kernels run as decoder.c's step runs them, from C, one layer's weight
+    # after another's (group_linear_each): the copies twice over, so that any run of them
+    # in turn lies side by side.
+    in_c = {
+        kernel: (GroupWeight * (2 * copies))(*(w.struct() for w, _ in packed[kernel] * 2))
+        for kernel in kernels
+        if kernel in linear_kernels.GROUP_GEMM_C_KERNELS
     }
 
     def measure(rows: int, timed: list[str]) -> dict[str, float]:
         x = torch.randn(rows, shape.in_features, generator=g).to(shape.dtype)
+        per_c_call = max(1, min(copies, IN_C_ROWS // rows))
+        starts = {kernel: itertools.cycle(range(0, copies, per_c_call)) for kernel in in_c}
 
         def call(kernel: str) -> None:
-            w, b = next(layouts[kernel])
-            linear_kernels.run(kernel, x, w, b, out_features, shape.gated)
+            if kernel in in_c:
+                weights = in_c[kernel], next(starts[kernel]), per_c_call
+                number = linear_kernels.GROUP_LINEAR_KERNEL[kernel]
+                group_quant.group_linear_each(x, *weights, None, out_features, shape.gated, number)
+            else:
+                w, b = next(layouts[kernel])
+                linear_kernels.run(kernel, x, w, b, out_features, shape.gated)
 
-        return _time_rounds({k: functools.partial(call, k) for k in timed})
+        seconds = _time_rounds({k: functools.partial(call, k) for k in timed})
+        return {k: s / (per_c_call if k in in_c else 1) for k, s in seconds.items()}
 
     return time_buckets(kernels, buckets, measure)
 

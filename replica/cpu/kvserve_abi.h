@@ -137,6 +137,9 @@ void dequantize_group(void* out, const uint8_t* qs, const uint16_t* scales, cons
  * rows, then the up projection's, and y is silu(gate) * up. */
 void group_linear(void* y, const void* x, const GroupWeight* w, const void* bias, int64_t m, int64_t n, int64_t k,
                   int gated, int is_bf16, int kernel, int num_threads);
+/* group_linear with each of weights[0..count-1] in turn, into the same y. */
+void group_linear_each(void* y, const void* x, const GroupWeight* weights, int64_t count, const void* bias, int64_t m,
+                       int64_t n, int64_t k, int gated, int is_bf16, int kernel, int num_threads);
 
 /* decoder.c */
 void decoder_forward(const DecoderShape* shape, const DecoderLayer* layers, const StepLayout* step, void* residual,

@@ -25,6 +25,8 @@ GROUP_GEMM_C, GROUP_Q8_GEMM_C, GROUP_Q8_256_GEMM_C, GROUP_TORCH, GROUP_DEQUANT =
     "group torch",
     "group dequant",
 )
+# group_linear's `kernel` argument (gemm_group.c) for each of gemm_group.c's kernels
+GROUP_LINEAR_KERNEL = {GROUP_GEMM_C: 0, GROUP_Q8_GEMM_C: 1, GROUP_Q8_256_GEMM_C: 2}
 LINEAR_KERNELS = (GEMM_C, ONEDNN, TORCH)
 INT8_KERNELS = (INT8_GEMM_C, INT8_TORCH)
 GROUP_GEMM_C_KERNELS = (GROUP_GEMM_C, GROUP_Q8_GEMM_C, GROUP_Q8_256_GEMM_C)

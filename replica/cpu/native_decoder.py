@@ -18,16 +18,14 @@ import torch
 
 from replica.attention.context import get_forward_context
 from replica.cpu import ops
-from replica.cpu.abi import DecoderLayer, DecoderShape, GroupWeight
+from replica.cpu.abi import DecoderLayer, DecoderShape
 from replica.cpu.build import load_library
 from replica.cpu.group_quant import GroupQuantWeight
 from replica.cpu.int8 import Int8Weight
-from replica.cpu.linear_kernels import GEMM_C, GROUP_GEMM_C, GROUP_Q8_256_GEMM_C, GROUP_Q8_GEMM_C, INT8_GEMM_C
+from replica.cpu.linear_kernels import GEMM_C, GROUP_LINEAR_KERNEL, INT8_GEMM_C
 
-# group_linear's number for each of gemm_group.c's kernels (decoder.c's group_kernels)
-GROUP_KERNELS = {GROUP_GEMM_C: 0, GROUP_Q8_GEMM_C: 1, GROUP_Q8_256_GEMM_C: 2}
 # NativeDecoder.kernel where every linear holds group-quantized weights: each projection
-# runs the one of GROUP_KERNELS it chose at the step's rows.
+# runs the one of gemm_group.c's kernels it chose at the step's rows.
 GROUP = "gemm_group.c"
 NO_GROUP_KERNELS = (0, 0, 0, 0)
 
@@ -128,8 +126,8 @@ class NativeDecoder:
             if self.kernel != GROUP:
                 native = all(kernels == {self.kernel} for kernels in chosen)
                 self._kernels_at[rows] = NO_GROUP_KERNELS if native else None
-            elif all(len(kernels) == 1 and kernels <= GROUP_KERNELS.keys() for kernels in chosen):
-                self._kernels_at[rows] = tuple(GROUP_KERNELS[next(iter(kernels))] for kernels in chosen)
+            elif all(len(kernels) == 1 and kernels <= GROUP_LINEAR_KERNEL.keys() for kernels in chosen):
+                self._kernels_at[rows] = tuple(GROUP_LINEAR_KERNEL[next(iter(kernels))] for kernels in chosen)
             else:
                 self._kernels_at[rows] = None
         return self._kernels_at[rows]
@@ -206,6 +204,5 @@ def _packed(name: str, linear, kernel: str) -> dict:
 def _pointer(value):
     """A DecoderLayer field's value: a tensor's address, or a GroupWeight of a group weight's."""
     if isinstance(value, GroupQuantWeight):
-        mins = None if value.mins is None else value.mins.data_ptr()
-        return GroupWeight(value.qs.data_ptr(), value.scales.data_ptr(), mins, value.group, value.bits)
+        return value.struct()
     return None if value is None else value.data_ptr()
