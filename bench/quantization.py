@@ -134,6 +134,11 @@ def main() -> None:
                 "kv_blocks": row["kv_cache"]["blocks"] / results[base]["kv_cache"]["blocks"],
                 "perplexity": row["perplexity"] / results[base]["perplexity"],
                 "decode_speedup": results[base]["decode_s_per_token"] / row["decode_s_per_token"],
+                # each round's ratio, then their median: a host whose speed shifts for
+                # seconds at a time moves both engines of a round alike
+                "decode_speedup_per_round": statistics.median(
+                    b / t for b, t in zip(times[base], times[name], strict=True)
+                ),
             }
             for base in [args.dtype, *args.also_dtypes]
         }
@@ -144,7 +149,8 @@ def main() -> None:
             f"KV blocks {row['kv_cache']['blocks']} "
             f"({ratio['kv_blocks']:.2f}x), "
             f"perplexity {row['perplexity']:.3f} ({ratio['perplexity']:.4f}x), decode "
-            f"{1 / row['decode_s_per_token']:.1f} tok/s ({ratio['decode_speedup']:.2f}x), "
+            f"{1 / row['decode_s_per_token']:.1f} tok/s ({ratio['decode_speedup']:.2f}x; "
+            f"per round {ratio['decode_speedup_per_round']:.2f}x), "
             f"answers {sum(a['correct'] for a in row['answers'])}/{len(FACTS)}"
         )
     text = {"path": str(TEXT), "tokens": len(token_ids)}
