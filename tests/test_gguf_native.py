@@ -111,7 +111,8 @@ def test_group_kernels_match_their_references(fmt, rows, n, blocks, with_bias, s
     """Odd block counts take the block-at-a-time AVX2 loops (one row: four columns at a time,
     and column by column for the rest); even ones take blocks in pairs, 512 bits at a time
     where the AVX-512 kernel is built, else 256 bits for 4-bit weights (and there, the
-    256-bit kernel too: its VNNI dot products)."""
+    256-bit kernel too: its VNNI dot products; at one row in groups of 32, four pairs at a
+    time)."""
     bits, group, _ = group_quant.parse_format(fmt)
     k = 32 * blocks * max(1, group // 32)
     g = torch.Generator().manual_seed(seed)
@@ -132,6 +133,25 @@ def test_group_kernels_match_their_references(fmt, rows, n, blocks, with_bias, s
         y = group_quant.mm_torch_int4(x, group_quant.pack_for_torch_int4(w), bias)
         expected = _reference(x, w, bias, False)
         torch.testing.assert_close(y.double(), expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+
+
+@needs_kernels
+@pytest.mark.parametrize("k", [64, 256, 320, 576, 1536])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_256_bit_kernel_at_one_row_matches_its_reference(k, with_bias):
+    """One row of groups of 32 goes four pairs of blocks at a time, then pair by pair (64:
+    one pair; 256: one quad; 320 and 576: quads and a pair left over). It is a kernel of
+    its own on AVX-512 CPUs, and the int8-activation kernel on AVX2 ones."""
+    in_256_bits = group_quant.q8_256_kernel_runs("q4g32m", k)
+    if not in_256_bits and load_library().group_q8_is_wide():
+        pytest.skip("no 256-bit kernel runs this weight here")
+    g = torch.Generator().manual_seed(k)
+    w = group_quant.quantize(torch.randn(37, k, generator=g), "q4g32m")
+    x = torch.randn(1, k, generator=g)
+    bias = torch.randn(37, generator=g) if with_bias else None
+    y = group_quant.gemm_group(x, w, bias, quantized_x=True, in_256_bits=in_256_bits)
+    expected = _reference(x, w, bias, True)
+    torch.testing.assert_close(y.double(), expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
 
 
 @needs_kernels

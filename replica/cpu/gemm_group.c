@@ -483,6 +483,66 @@ static inline __attribute__((always_inline)) void column_tile_pair(
     for (int r = 0; r < rows; r++) y[(r0 + r) * n + j] = hsum256(acc[r]) + offset[r] + b;
 }
 
+/* One row (a single stream's decode) of groups of 32, column j: its pairs four at a time,
+ * whose dot products two rounds of horizontal adds sum per block, so that the conversion
+ * to fp32, the scales' product and the FMA come once per eight blocks rather than once per
+ * two; the pairs left over go one at a time. xq, xd8: quantize_pairs'; xd_quads: x's block
+ * scales in the adds' order (quad_scales). */
+static inline __attribute__((always_inline)) void column_one_row_quads(
+    float* y, const int8_t* xq, const float* xd8, const float* xd_quads, const float* xsum, const uint8_t* qs,
+    const uint16_t* scales, const uint16_t* mins, const float* bias, int64_t j, int64_t k) {
+    const int64_t groups = k / 32, pairs = k / 64, quads = pairs / 4;
+    const uint16_t* js = scales + j * groups;
+    const uint8_t* column = qs + (j * k) / 2;
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    const __m256i added = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7); /* the blocks of a quad's sums */
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t q = 0; q < quads; q++) {
+        __m256i sums[4]; /* pair i's: block 2i's partial sums in lanes 0-3, block 2i + 1's in 4-7 */
+        for (int i = 0; i < 4; i++) {
+            const int64_t p = 4 * q + i;
+            const uint8_t* at = column + 32 * p;
+            if (i % 2 == 0) _mm_prefetch((const char*)at + Q_PREFETCH_BYTES, _MM_HINT_T0);
+            const __m256i bytes = _mm256_loadu_si256((const __m256i*)at);
+            const __m256i lo = _mm256_and_si256(bytes, mask), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
+            sums[i] = pair_dot(lo, hi, _mm256_loadu_si256((const __m256i*)(xq + 64 * p)),
+                               _mm256_loadu_si256((const __m256i*)(xq + 64 * p + 32)));
+        }
+        const __m256i blocks = _mm256_hadd_epi32(_mm256_hadd_epi32(sums[0], sums[1]), _mm256_hadd_epi32(sums[2], sums[3]));
+        const __m256 ws = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(js + 8 * q))), added);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(blocks), _mm256_mul_ps(ws, _mm256_loadu_ps(xd_quads + 8 * q)), acc);
+    }
+    const __m256i lanes = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    for (int64_t p = 4 * quads; p < pairs; p++) {
+        const __m256i bytes = _mm256_loadu_si256((const __m256i*)(column + 32 * p));
+        const __m256i lo = _mm256_and_si256(bytes, mask), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
+        const __m256 ws = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(pair_scales(js, p, 32)), lanes);
+        const __m256i sum = pair_dot(lo, hi, _mm256_loadu_si256((const __m256i*)(xq + 64 * p)),
+                                     _mm256_loadu_si256((const __m256i*)(xq + 64 * p + 32)));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(ws, _mm256_loadu_ps(xd8 + 8 * p)), acc);
+    }
+    float offset = 0.0f;
+    if (mins) { /* eight groups an FMA */
+        const uint16_t* jm = mins + j * groups;
+        int64_t g = 0;
+        for (; g + 8 <= groups; g += 8)
+            acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(jm + g))), _mm256_loadu_ps(xsum + g), acc);
+        for (; g < groups; g++) offset += _cvtsh_ss(jm[g]) * xsum[g];
+    }
+    y[j] = hsum256(acc) + offset + (bias ? bias[j] : 0.0f);
+}
+
+/* xd_quads [k / 256][8]: each quad's eight block scales of x (xd8's lane 0 and lane 4 of
+ * each pair) in the order its horizontal adds leave the blocks. */
+static void quad_scales(float* xd_quads, const float* xd8, int64_t k) {
+    static const int added[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+    for (int64_t q = 0; q < k / 256; q++)
+        for (int lane = 0; lane < 8; lane++) {
+            const int64_t block = 8 * q + added[lane];
+            xd_quads[8 * q + lane] = xd8[(block / 2) * 8 + (block % 2) * 4];
+        }
+}
+
 void gemm_group_q8_256(float* y, const float* x, const uint8_t* qs, const uint16_t* scales, const uint16_t* mins,
                        const float* bias, int64_t m, int64_t n, int64_t k, int32_t group, int32_t bits,
                        int32_t num_threads) {
@@ -491,7 +551,25 @@ void gemm_group_q8_256(float* y, const float* x, const uint8_t* qs, const uint16
     float* xsum = mins ? (float*)malloc(sizeof(float) * (size_t)(m * (k / group))) : NULL;
     quantize_pairs(xq, xd8, x, m, k, 4, 8);
     if (mins) group_sums(xsum, x, m, k, group);
-    FOR_EACH_TILE(column_tile_pair, xq, xd8, xsum);
+    if (m == 1 && group == 32) {
+        float* xd_quads = (float*)malloc(sizeof(float) * (size_t)((k / 256) * 8 + 1));
+        quad_scales(xd_quads, xd8, k);
+        Share* shares = deal_shares((n + Q_PANEL - 1) / Q_PANEL, num_threads);
+#pragma omp parallel num_threads(num_threads)
+        {
+            const int own = omp_get_thread_num();
+            int victim = own;
+            for (int64_t p; (p = next_unit(shares, num_threads, own, &victim)) >= 0;) {
+                const int64_t end = (p + 1) * Q_PANEL < n ? (p + 1) * Q_PANEL : n;
+                for (int64_t j = p * Q_PANEL; j < end; j++)
+                    column_one_row_quads(y, xq, xd8, xd_quads, xsum, qs, scales, mins, bias, j, k);
+            }
+        }
+        free(shares);
+        free(xd_quads);
+    } else {
+        FOR_EACH_TILE(column_tile_pair, xq, xd8, xsum);
+    }
     free(xq);
     free(xd8);
     free(xsum);
