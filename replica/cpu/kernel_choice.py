@@ -155,10 +155,8 @@ def interpolated(buckets: tuple[int, ...], seconds: list[float], rows: int) -> f
 
 def margin(kernel: str, default: str) -> float:
     """How much faster than fastest()'s default `kernel` must be to run in its place:
-    MARGIN, but none between gemm_group.c's kernels. They read one layout and each runs in
-    decoder.c's one-call loop, so a choice between them that flips on noise costs neither;
-    and a step finds part of a small model's weights in cache, where the kernel that
-    computes faster gains more than a timing that reads every weight from memory shows."""
+    MARGIN, but none between gemm_group.c's kernels: they read one layout and each runs in
+    decoder.c's one-call loop, so a choice between them that flips on noise costs neither."""
     same_layout = {kernel, default} <= set(linear_kernels.GROUP_GEMM_C_KERNELS)
     return 0.0 if same_layout else MARGIN
 
@@ -170,8 +168,8 @@ def fastest(buckets: tuple[int, ...], seconds: dict[str, list[float]]) -> Linear
     lose well below it. The default (for a group-quantized weight, gemm_group.c's
     int8-activation kernel where it runs, in bf16 models, else its exact one; an int8
     kernel where one was timed; else gemm.c where it runs, else oneDNN, else the first
-    kernel) keeps a row count unless another kernel beats it by more than margin()
-    (MARGIN, but none between gemm_group.c's kernels): a choice that flips on noise costs a second
+    kernel) keeps a row count unless another kernel beats it by more than margin() (MARGIN,
+    but none between gemm_group.c's kernels): a choice that flips on noise costs a second
     weight layout (for a quantized linear, a float one beside the int8 one), and gemm.c
     (or its int8 or group kernel) is the default because decoder.c's one-call step loop runs only
     in steps where every linear chose it, which saves per-kernel calls a linear timed
