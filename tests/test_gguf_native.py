@@ -205,8 +205,7 @@ def test_decoder_group_linear_equals_the_python_path(dtype, kernel, gated):
     x = torch.randn(rows, k, generator=g).to(dtype)
     expected = linear_kernels.run(kernel, x, w, bias, n, gated)
     out = torch.empty(rows, n, dtype=dtype)
-    mins = w.mins.data_ptr()
-    struct = GroupWeight(w.qs.data_ptr(), w.scales.data_ptr(), mins, w.group, w.bits)
+    struct = w.struct()
     load_library().group_linear(
         out.data_ptr(), x.data_ptr(), ctypes.byref(struct), bias.data_ptr(), rows, n, k, int(gated),
         int(dtype == torch.bfloat16), linear_kernels.GROUP_LINEAR_KERNEL[kernel], torch.get_num_threads(),
