@@ -352,6 +352,17 @@ static inline __attribute__((always_inline)) void column_tile_q8(
     for (int r = 0; r < rows; r++) y[(r0 + r) * n + j] = hsum256(acc[r]) + offset[r] + b;
 }
 
+/* One row's min terms of a column, each group's min times x's sum over the group (xs):
+ * eight groups an FMA into *acc; the sum of the groups left over is returned. */
+static inline float add_min_terms(__m256* acc, const uint16_t* jm, const float* xs, int64_t groups) {
+    float tail = 0.0f;
+    int64_t g = 0;
+    for (; g + 8 <= groups; g += 8)
+        *acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(jm + g))), _mm256_loadu_ps(xs + g), *acc);
+    for (; g < groups; g++) tail += _cvtsh_ss(jm[g]) * xs[g];
+    return tail;
+}
+
 /* One row (a single stream's decode), Q_COLUMNS columns at a time: a column alone is one
  * chain of dependent FMAs a block, and its mins' sum another, which leave the core waiting
  * on their latency; four columns' chains interleave, share each block of x, and end in one
@@ -385,16 +396,8 @@ static inline __attribute__((always_inline)) void columns_q8_one_row(
         }
     }
     float tail[Q_COLUMNS] = {0.0f};
-    if (mins) {
-        for (int c = 0; c < Q_COLUMNS; c++) {
-            const uint16_t* jm = mins + (j + c) * groups;
-            int64_t g = 0;
-            for (; g + 8 <= groups; g += 8)
-                acc[c] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(jm + g))),
-                                         _mm256_loadu_ps(xsum + g), acc[c]);
-            for (; g < groups; g++) tail[c] += _cvtsh_ss(jm[g]) * xsum[g];
-        }
-    }
+    if (mins)
+        for (int c = 0; c < Q_COLUMNS; c++) tail[c] = add_min_terms(&acc[c], mins + (j + c) * groups, xsum, groups);
     /* the four sums side by side: lanes (c, half) pairwise, then the halves */
     const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
     float out[4];
@@ -468,17 +471,9 @@ static inline __attribute__((always_inline)) void column_tile_pair(
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, acc[r]);
         }
     }
-    if (mins) { /* eight groups an FMA */
-        const uint16_t* jm = mins + j * groups;
-        int64_t g = 0;
-        for (; g + 8 <= groups; g += 8) {
-            const __m256 m8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(jm + g)));
-            for (int r = 0; r < rows; r++)
-                acc[r] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(xsum + (r0 + r) * groups + g), acc[r]);
-        }
-        for (; g < groups; g++)
-            for (int r = 0; r < rows; r++) offset[r] += _cvtsh_ss(jm[g]) * xsum[(r0 + r) * groups + g];
-    }
+    if (mins)
+        for (int r = 0; r < rows; r++)
+            offset[r] = add_min_terms(&acc[r], mins + j * groups, xsum + (r0 + r) * groups, groups);
     const float b = bias ? bias[j] : 0.0f;
     for (int r = 0; r < rows; r++) y[(r0 + r) * n + j] = hsum256(acc[r]) + offset[r] + b;
 }
@@ -521,14 +516,7 @@ static inline __attribute__((always_inline)) void column_one_row_quads(
                                      _mm256_loadu_si256((const __m256i*)(xq + 64 * p + 32)));
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(ws, _mm256_loadu_ps(xd8 + 8 * p)), acc);
     }
-    float offset = 0.0f;
-    if (mins) { /* eight groups an FMA */
-        const uint16_t* jm = mins + j * groups;
-        int64_t g = 0;
-        for (; g + 8 <= groups; g += 8)
-            acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(jm + g))), _mm256_loadu_ps(xsum + g), acc);
-        for (; g < groups; g++) offset += _cvtsh_ss(jm[g]) * xsum[g];
-    }
+    const float offset = mins ? add_min_terms(&acc, mins + j * groups, xsum, groups) : 0.0f;
     y[j] = hsum256(acc) + offset + (bias ? bias[j] : 0.0f);
 }
 
