@@ -115,24 +115,31 @@ static inline int64_t next_unit(Share* shares, int num_shares, int own, int* vic
     }
 }
 
+/* The statement given after `units, p,` for each unit p of `units`, on num_threads
+ * threads, each taking its share and then the others' backs as above. */
+#define FOR_EACH_UNIT(units, p, ...)                                                        \
+    do {                                                                                    \
+        Share* shares = deal_shares((units), num_threads);                                  \
+        _Pragma("omp parallel num_threads(num_threads)") {                                  \
+            const int own = omp_get_thread_num();                                           \
+            int victim = own;                                                               \
+            for (int64_t p; (p = next_unit(shares, num_threads, own, &victim)) >= 0;) {     \
+                __VA_ARGS__                                                                 \
+            }                                                                               \
+        }                                                                                   \
+        free(shares);                                                                       \
+    } while (0)
+
 /* Every column of y in panels of Q_PANEL, shared out as above, each column's rows in
  * tiles of up to Q_TILE_ROWS: DISPATCH(tile, ...) for each. */
-#define FOR_EACH_TILE(tile, ...)                                                           \
-    do {                                                                                   \
-        Share* shares = deal_shares((n + Q_PANEL - 1) / Q_PANEL, num_threads);             \
-        _Pragma("omp parallel num_threads(num_threads)") {                                 \
-            const int own = omp_get_thread_num();                                          \
-            int victim = own;                                                              \
-            for (int64_t p; (p = next_unit(shares, num_threads, own, &victim)) >= 0;) {    \
-                const int64_t end = (p + 1) * Q_PANEL < n ? (p + 1) * Q_PANEL : n;         \
-                for (int64_t r0 = 0; r0 < m; r0 += Q_TILE_ROWS) {                          \
-                    const int rows = m - r0 < Q_TILE_ROWS ? (int)(m - r0) : Q_TILE_ROWS;   \
-                    for (int64_t j = p * Q_PANEL; j < end; j++) DISPATCH(tile, __VA_ARGS__); \
-                }                                                                          \
-            }                                                                              \
-        }                                                                                  \
-        free(shares);                                                                      \
-    } while (0)
+#define FOR_EACH_TILE(tile, ...)                                                            \
+    FOR_EACH_UNIT((n + Q_PANEL - 1) / Q_PANEL, p, {                                         \
+        const int64_t end = (p + 1) * Q_PANEL < n ? (p + 1) * Q_PANEL : n;                  \
+        for (int64_t r0 = 0; r0 < m; r0 += Q_TILE_ROWS) {                                   \
+            const int rows = m - r0 < Q_TILE_ROWS ? (int)(m - r0) : Q_TILE_ROWS;            \
+            for (int64_t j = p * Q_PANEL; j < end; j++) DISPATCH(tile, __VA_ARGS__);        \
+        }                                                                                   \
+    })
 
 static inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 
@@ -411,22 +418,15 @@ static void one_row_q8(float* y, const int8_t* xq, const float* xd, const float*
                        const uint16_t* scales, const uint16_t* mins, const float* bias, int64_t n, int64_t k,
                        int group, int bits, int num_threads) {
     const int64_t quads = n / Q_COLUMNS, quads_per_panel = Q_PANEL / Q_COLUMNS;
-    Share* shares = deal_shares((quads + quads_per_panel - 1) / quads_per_panel, num_threads);
-#pragma omp parallel num_threads(num_threads)
-    {
-        const int own = omp_get_thread_num();
-        int victim = own;
-        for (int64_t p; (p = next_unit(shares, num_threads, own, &victim)) >= 0;) {
-            const int64_t end = (p + 1) * quads_per_panel < quads ? (p + 1) * quads_per_panel : quads;
-            for (int64_t q = p * quads_per_panel; q < end; q++) {
-                if (bits == 4)
-                    columns_q8_one_row(y, xq, xd, xsum, qs, scales, mins, bias, q * Q_COLUMNS, n, k, group, 4);
-                else
-                    columns_q8_one_row(y, xq, xd, xsum, qs, scales, mins, bias, q * Q_COLUMNS, n, k, group, 8);
-            }
+    FOR_EACH_UNIT((quads + quads_per_panel - 1) / quads_per_panel, p, {
+        const int64_t end = (p + 1) * quads_per_panel < quads ? (p + 1) * quads_per_panel : quads;
+        for (int64_t q = p * quads_per_panel; q < end; q++) {
+            if (bits == 4)
+                columns_q8_one_row(y, xq, xd, xsum, qs, scales, mins, bias, q * Q_COLUMNS, n, k, group, 4);
+            else
+                columns_q8_one_row(y, xq, xd, xsum, qs, scales, mins, bias, q * Q_COLUMNS, n, k, group, 8);
         }
-    }
-    free(shares);
+    });
     for (int64_t j = quads * Q_COLUMNS; j < n; j++)
         column_tile_q8(y, xq, xd, xsum, qs, scales, mins, bias, 0, 1, j, n, k, group, bits);
 }
@@ -542,18 +542,11 @@ void gemm_group_q8_256(float* y, const float* x, const uint8_t* qs, const uint16
     if (m == 1 && group == 32) {
         float* xd_quads = (float*)malloc(sizeof(float) * (size_t)((k / 256) * 8 + 1));
         quad_scales(xd_quads, xd8, k);
-        Share* shares = deal_shares((n + Q_PANEL - 1) / Q_PANEL, num_threads);
-#pragma omp parallel num_threads(num_threads)
-        {
-            const int own = omp_get_thread_num();
-            int victim = own;
-            for (int64_t p; (p = next_unit(shares, num_threads, own, &victim)) >= 0;) {
-                const int64_t end = (p + 1) * Q_PANEL < n ? (p + 1) * Q_PANEL : n;
-                for (int64_t j = p * Q_PANEL; j < end; j++)
-                    column_one_row_quads(y, xq, xd8, xd_quads, xsum, qs, scales, mins, bias, j, k);
-            }
-        }
-        free(shares);
+        FOR_EACH_UNIT((n + Q_PANEL - 1) / Q_PANEL, p, {
+            const int64_t end = (p + 1) * Q_PANEL < n ? (p + 1) * Q_PANEL : n;
+            for (int64_t j = p * Q_PANEL; j < end; j++)
+                column_one_row_quads(y, xq, xd8, xd_quads, xsum, qs, scales, mins, bias, j, k);
+        });
         free(xd_quads);
     } else {
         FOR_EACH_TILE(column_tile_pair, xq, xd8, xsum);
