@@ -11,13 +11,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_attention_reference import dense_reference
-from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from replica.attention import build_metadata
 from replica.attention.torch_backend import kv_cache_shape
 from replica.cpu import abi, build, linear_kernels, ops
 from replica.cpu.kernel_choice import LinearChoice
-from replica.cpu.layers import PackedLinear
+from replica.cpu.layers import PackedLinear, RotaryTable
 
 pytestmark = pytest.mark.skipif(
     build.compiler() is None, reason="no C compiler: the CPU kernels cannot be built"
@@ -150,6 +151,44 @@ def test_negative_slots_write_nothing():
     q, k, v = (torch.randn(1, 1, 16) for _ in range(3))
     ops.paged_attention(q, k, v, k_cache, v_cache, meta, 0.25)
     assert not k_cache.any() and not v_cache.any()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    steps=st.lists(st.lists(st.integers(0, 3000), min_size=1, max_size=12), min_size=1, max_size=4),
+    bf16=st.booleans(),
+    head_dim=st.sampled_from([16, 48, 64, 80]),
+    scaling=st.sampled_from([None, {"rope_type": "linear", "factor": 2.0}]),
+)
+def test_rotary_table_equals_the_module_at_any_positions(steps, bf16, head_dim, scaling):
+    """Each step's positions (any order, repeats, growing past the table) get the module's
+    own cos and sin, bit for bit."""
+    config = LlamaConfig(
+        hidden_size=4 * head_dim, num_attention_heads=4, head_dim=head_dim, max_position_embeddings=4096,
+        rope_scaling=scaling,
+    )  # fmt: skip
+    module = LlamaRotaryEmbedding(config)
+    table = RotaryTable(module)
+    assert table.static
+    x = torch.empty(0, dtype=torch.bfloat16 if bf16 else torch.float32)
+    for positions in map(torch.tensor, steps):
+        cos, sin = table(x, positions)
+        expected_cos, expected_sin = module(x, positions[None])
+        assert torch.equal(cos, expected_cos[0]) and torch.equal(sin, expected_sin[0])
+        assert cos.dtype == x.dtype and cos.is_contiguous()
+
+
+def test_rotary_table_leaves_length_dependent_ropes_to_the_module():
+    config = LlamaConfig(
+        hidden_size=64, num_attention_heads=4, max_position_embeddings=64,
+        rope_scaling={"rope_type": "dynamic", "factor": 2.0},
+    )  # fmt: skip
+    module = LlamaRotaryEmbedding(config)
+    table = RotaryTable(module)
+    assert not table.static
+    x, positions = torch.empty(0), torch.arange(200)  # past max_position_embeddings: rescaled
+    cos, _ = table(x, positions)
+    assert torch.equal(cos, module(x, positions[None])[0][0])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -24,7 +24,7 @@ from test_native_decoder import _assert_same, _both_loops
 
 from kvserve import LLM, SamplingParams
 from replica import gguf_blocks
-from replica.cpu import group_quant, kernel_choice, linear_kernels
+from replica.cpu import group_quant, kernel_choice, linear_kernels, ops
 from replica.cpu.abi import GroupWeight
 from replica.cpu.build import load_library
 from replica.cpu.group_quant import GroupQuantWeight, TorchInt4Weight
@@ -136,6 +136,26 @@ def test_group_kernels_match_their_references(fmt, rows, n, blocks, with_bias, s
 
 
 @needs_kernels
+@settings(max_examples=30, deadline=None)
+@given(
+    fmt=st.sampled_from(FORMATS),
+    n=st.integers(1, 40),
+    blocks=st.integers(1, 6),
+    ids=st.lists(st.integers(0, 39), min_size=1, max_size=9),
+    bf16=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_embedding_rows_equal_the_dequantized_rows(fmt, n, blocks, ids, bf16, seed):
+    """A lookup in C (repeated ids, any order) gives the reference's rows bit for bit."""
+    bits, group, _ = group_quant.parse_format(fmt)
+    k = 32 * blocks * max(1, group // 32)
+    w = group_quant.quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)), fmt)
+    ids = torch.tensor([i % n for i in ids])
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    assert torch.equal(group_quant.embedding_rows(w, ids, dtype), w.dequantize(dtype, ids))
+
+
+@needs_kernels
 @pytest.mark.parametrize("k", [64, 256, 320, 576, 1536])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_the_256_bit_kernel_at_one_row_matches_its_reference(k, with_bias):
@@ -203,7 +223,10 @@ def test_decoder_group_linear_equals_the_python_path(dtype, kernel, gated):
     w = group_quant.quantize(torch.randn(2 * n if gated else n, k, generator=g), "q4g32m")
     bias = torch.randn(w.shape[0], generator=g).to(dtype)
     x = torch.randn(rows, k, generator=g).to(dtype)
-    expected = linear_kernels.run(kernel, x, w, bias, n, gated)
+    # The oracle widens and rounds in torch: the kernel in fp32, then the output in dtype.
+    expected = linear_kernels.run(kernel, x.float(), w, bias.float(), w.shape[0], False).to(dtype)
+    expected = ops.silu_mul(expected) if gated else expected
+    assert torch.equal(linear_kernels.run(kernel, x, w, bias, n, gated), expected)
     out = torch.empty(rows, n, dtype=dtype)
     struct = w.struct()
     load_library().group_linear(

@@ -10,8 +10,9 @@ from test_other_models import CONFIGS
 from transformers import AutoModelForCausalLM
 
 from kvserve import LLM, SamplingParams
-from replica.attention.context import get_forward_context
+from replica.attention.context import ForwardContext, get_forward_context
 from replica.cpu import build, ops
+from replica.kv_quant import KVScale
 
 pytestmark = pytest.mark.skipif(
     build.compiler() is None, reason="no C compiler: the CPU kernels cannot be built"
@@ -84,6 +85,23 @@ def test_bundled_model_same_as_python_loop(bundled, tokenizer):
     # Once every prompt is in the cache (two steps of at most 96 tokens), at least the
     # longest request's last 18 tokens come from decode-only steps.
     assert native_steps >= 18
+
+
+def test_a_new_cache_list_is_bound_anew(bundled):
+    """The layers' struct array is rebuilt for another list of caches or scales, and only
+    then; a rebuilt one points at the new caches and holds the new scales."""
+    runner, native = bundled.engine.runner, bundled.engine.runner.run_decoder.native
+    kernels = native._step_kernels(1)
+    shape = native._bind(ForwardContext(runner.kv_caches, None, None, runner.kv_scales), kernels)
+    layers = native._layers
+    assert native._bind(ForwardContext(runner.kv_caches, None, None, runner.kv_scales), kernels) is shape
+    assert native._layers is layers
+    moved, scales = runner.kv_layout.allocate(2), [KVScale(0.5, 0.25)] * len(runner.kv_caches)
+    native._bind(ForwardContext(moved, None, None, scales), kernels)
+    bound = [(layer.k_cache, layer.v_cache, layer.k_scale, layer.v_scale) for layer in native._layers]
+    assert bound == [(k.data_ptr(), v.data_ptr(), 0.5, 0.25) for k, v in moved]
+    native._bind(ForwardContext(runner.kv_caches, None, None, runner.kv_scales), kernels)
+    assert [layer.k_cache for layer in native._layers] == [k.data_ptr() for k, _ in runner.kv_caches]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

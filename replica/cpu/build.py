@@ -172,7 +172,7 @@ SIGNATURES = {
     "gemm_group_q8": ([_p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i32, _i32, _i32], None),
     "group_q8_is_wide": ([], _i32),
     "gemm_group_q8_256": ([_p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i32, _i32, _i32], None),
-    "dequantize_group": ([_p, _p, _p, _p, _i64, _i64, _i32, _i32, _i32, _i32], None),
+    "dequantize_group": ([_p, _p, _p, _p, _p, _i64, _i64, _i32, _i32, _i32, _i32], None),
     "group_linear": ([_p, _p, _GROUP, _p, _i64, _i64, _i64, _i32, _i32, _i32, _i32], None),
     "group_linear_each": ([_p, _p, _GROUP, _i64, _p, _i64, _i64, _i64, _i32, _i32, _i32, _i32], None),
     "decoder_forward": ([_SHAPE, _LAYERS, _STEP, _p, _p, _p, _p, _i64, _p, _p, _i32], None),

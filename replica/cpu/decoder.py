@@ -17,7 +17,7 @@ from torch import nn
 
 from replica.attention.context import get_forward_context
 from replica.cpu.kernel_choice import KernelChooser
-from replica.cpu.layers import PackedLinear, RMSNorm, RotaryPagedAttention, SiluMLP
+from replica.cpu.layers import PackedLinear, RMSNorm, RotaryPagedAttention, RotaryTable, SiluMLP
 from replica.cpu.native_decoder import NativeDecoder
 
 # transformers classes whose math the stand-ins reproduce exactly.
@@ -36,7 +36,7 @@ class FusedDecoder(nn.Module):
         activation stays out of its GEMM and decoder.c, which would skip them, is off."""
         super().__init__()
         self.embed_tokens = decoder.embed_tokens
-        self.rotary_emb = decoder.rotary_emb
+        self.rotary = RotaryTable(decoder.rotary_emb)
         self.input_norms = nn.ModuleList(RMSNorm(layer.input_layernorm) for layer in decoder.layers)
         self.attentions = nn.ModuleList(
             RotaryPagedAttention(layer.self_attn, chooser) for layer in decoder.layers
@@ -71,8 +71,7 @@ class FusedDecoder(nn.Module):
         the cache: nothing reads the rest (its o_proj and MLP are a thirtieth of a prompt
         token's GEMMs in a 30-layer model)."""
         residual = self.embed_tokens(input_ids[0])  # [T, E]; updated in place by each fused add
-        cos, sin = self.rotary_emb(residual, position_ids)
-        cos, sin = cos[0].contiguous(), sin[0].contiguous()  # [T, head_dim], once for every layer
+        cos, sin = self.rotary(residual, position_ids[0])  # [T, head_dim], once for every layer
         if self.native is not None:
             final = self.native.forward(residual, cos, sin, rows)
             if final is not None:

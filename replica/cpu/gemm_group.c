@@ -678,11 +678,13 @@ static inline __m128i bf16x8(__m256 v) {
     return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }
 
-void dequantize_group(void* out, const uint8_t* qs, const uint16_t* scales, const uint16_t* mins, int64_t n,
-                      int64_t k, int32_t group, int32_t bits, int32_t is_bf16, int32_t num_threads) {
+void dequantize_group(void* out, const uint8_t* qs, const uint16_t* scales, const uint16_t* mins,
+                      const int64_t* rows, int64_t n, int64_t k, int32_t group, int32_t bits, int32_t is_bf16,
+                      int32_t num_threads) {
     const int64_t groups = k / group;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t j = 0; j < n; j++) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (n > 1)
+    for (int64_t r = 0; r < n; r++) {
+        const int64_t j = rows ? rows[r] : r;
         for (int64_t at = 0; at < k; at += 32) {
             /* (a 16-group's halves take their own scales) */
             __m256 q[4], s[4], m[4];
@@ -697,9 +699,9 @@ void dequantize_group(void* out, const uint8_t* qs, const uint16_t* scales, cons
                 m[c] = _mm256_set1_ps(mins ? half_to_float(mins[g]) : 0.0f);
                 const __m256 w = _mm256_fmadd_ps(q[c], s[c], m[c]); /* q * s is exact: one rounding */
                 if (is_bf16)
-                    _mm_storeu_si128((__m128i*)((bf16*)out + j * k + at + 8 * c), bf16x8(w));
+                    _mm_storeu_si128((__m128i*)((bf16*)out + r * k + at + 8 * c), bf16x8(w));
                 else
-                    _mm256_storeu_ps((float*)out + j * k + at + 8 * c, w);
+                    _mm256_storeu_ps((float*)out + r * k + at + 8 * c, w);
             }
         }
     }
@@ -730,10 +732,11 @@ void gemm_group_q8_256(float* y, const float* x, const uint8_t* qs, const uint16
     gemm_group(y, x, qs, scales, mins, bias, m, n, k, group, bits, num_threads);
 }
 
-void dequantize_group(void* out, const uint8_t* qs, const uint16_t* scales, const uint16_t* mins, int64_t n,
-                      int64_t k, int32_t group, int32_t bits, int32_t is_bf16, int32_t num_threads) {
-    (void)out, (void)qs, (void)scales, (void)mins, (void)n, (void)k, (void)group, (void)bits, (void)is_bf16,
-        (void)num_threads;
+void dequantize_group(void* out, const uint8_t* qs, const uint16_t* scales, const uint16_t* mins,
+                      const int64_t* rows, int64_t n, int64_t k, int32_t group, int32_t bits, int32_t is_bf16,
+                      int32_t num_threads) {
+    (void)out, (void)qs, (void)scales, (void)mins, (void)rows, (void)n, (void)k, (void)group, (void)bits,
+        (void)is_bf16, (void)num_threads;
     abort();
 }
 

@@ -206,10 +206,21 @@ def gemm_group(
     if in_256_bits and not (quantized_x and q8_256_kernel_runs(w.format, w.shape[1])):
         raise ValueError(f"the 256-bit int8-activation kernel does not run {w.format} [{w.shape[1]} in] here")
     n, k = w.shape
+    lib = load_library()
+    if x.dtype in (torch.float32, torch.bfloat16) and (bias is None or bias.dtype == x.dtype):
+        # group_linear, as decoder.c calls it: x widened and the output rounded in C, in
+        # one call (this is every linear of a Python-loop step, and the output projection)
+        x, bias = x.contiguous(), None if bias is None else bias.contiguous()
+        out = x.new_empty((x.shape[0], n))
+        lib.group_linear(
+            out.data_ptr(), x.data_ptr(), ctypes.byref(w.struct()), None if bias is None else bias.data_ptr(),
+            x.shape[0], n, k, 0, int(x.dtype == torch.bfloat16), 2 if in_256_bits else int(quantized_x),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return out
     xf = x.float().contiguous()
     bias_f = None if bias is None else bias.float().contiguous()  # held: the kernel reads it
     out = xf.new_empty((xf.shape[0], n))
-    lib = load_library()
     kernel = lib.gemm_group_q8_256 if in_256_bits else lib.gemm_group_q8 if quantized_x else lib.gemm_group
     kernel(
         out.data_ptr(), xf.data_ptr(), w.qs.data_ptr(), w.scales.data_ptr(),
@@ -291,8 +302,25 @@ def mm_dequantized(x: torch.Tensor, w: GroupQuantWeight, bias: torch.Tensor | No
     if scratch is None or scratch.numel() < n * k:
         scratch = _dequantized[x.dtype] = x.new_empty(n * k)
     dense = scratch[: n * k].view(n, k)
-    load_library().dequantize_group(
-        dense.data_ptr(), w.qs.data_ptr(), w.scales.data_ptr(), None if w.mins is None else w.mins.data_ptr(),
-        n, k, w.group, w.bits, int(x.dtype == torch.bfloat16), torch.get_num_threads(),
-    )  # fmt: skip
+    _dequantize_into(dense, w, None, torch.get_num_threads())
     return F.linear(x, dense, bias)
+
+
+def embedding_rows(w: GroupQuantWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` [T] of w dequantized into `dtype` [T, k]: as w.dequantize(dtype, ids), in
+    one call where gemm_group.c runs here (the same fp32 product and rounding)."""
+    if dtype not in (torch.float32, torch.bfloat16) or not group_gemm_available():
+        return w.dequantize(dtype, ids)
+    ids = ids.contiguous()
+    out = torch.empty((ids.shape[0], w.shape[1]), dtype=dtype)
+    _dequantize_into(out, w, ids, torch.get_num_threads())
+    return out
+
+
+def _dequantize_into(out: torch.Tensor, w: GroupQuantWeight, rows: torch.Tensor | None, threads: int) -> None:
+    """out [n, k] (fp32 or bf16) = w's rows `rows` [n] (int64), or its first n."""
+    mins = None if w.mins is None else w.mins.data_ptr()
+    load_library().dequantize_group(
+        out.data_ptr(), w.qs.data_ptr(), w.scales.data_ptr(), mins, None if rows is None else rows.data_ptr(),
+        out.shape[0], out.shape[1], w.group, w.bits, int(out.dtype == torch.bfloat16), threads,
+    )  # fmt: skip

@@ -129,9 +129,11 @@ int group_q8_is_wide(void);
 void gemm_group_q8_256(float* y, const float* x, const uint8_t* qs, const uint16_t* scales, const uint16_t* mins,
                        const float* bias, int64_t m, int64_t n, int64_t k, int32_t group, int32_t bits,
                        int32_t num_threads);
-/* out [n, k] = the weight, in the model's dtype */
-void dequantize_group(void* out, const uint8_t* qs, const uint16_t* scales, const uint16_t* mins, int64_t n,
-                      int64_t k, int32_t group, int32_t bits, int32_t is_bf16, int32_t num_threads);
+/* out [n, k] = rows rows[0..n-1] of the weight (rows NULL: its first n), in the model's
+ * dtype: the whole weight for a dense GEMM, or a lookup's token embeddings */
+void dequantize_group(void* out, const uint8_t* qs, const uint16_t* scales, const uint16_t* mins,
+                      const int64_t* rows, int64_t n, int64_t k, int32_t group, int32_t bits, int32_t is_bf16,
+                      int32_t num_threads);
 /* y [m, n] = x [m, k] W^T + b in the model's dtype (b too), through gemm_group
  * (kernel 0), gemm_group_q8 (1) or gemm_group_q8_256 (2); gated: W holds the gate's n
  * rows, then the up projection's, and y is silu(gate) * up. */

@@ -7,7 +7,7 @@ points, in a few calls each instead of dozens of small torch ops.
 - RMSNorm: one C kernel. SiluMLP: the gate and up projections share one GEMM, whose
   epilogue also applies silu(gate) * up where gemm.c's kernel runs.
 - RotaryPagedAttention: q/k/v in one GEMM, then rotary, the KV write and paged attention
-  in one C call per layer.
+  in one C call per layer. RotaryTable: the rotary module's cos and sin, looked up.
 
 decoder.py decides where they replace transformers' modules.
 """
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from replica.attention.context import get_forward_context
-from replica.cpu import int8, linear_kernels, ops
+from replica.cpu import group_quant, int8, linear_kernels, ops
 from replica.cpu.group_quant import GroupQuantWeight
 from replica.cpu.kernel_choice import KernelChooser, LinearChoice, LinearShape
 
@@ -137,7 +137,7 @@ class GroupQuantEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = weight.shape
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        rows = self.weight_blocks.dequantize(self.dtype, input_ids.reshape(-1))
+        rows = group_quant.embedding_rows(self.weight_blocks, input_ids.reshape(-1), self.dtype)
         return rows.view(*input_ids.shape, self.embedding_dim)
 
 
@@ -210,3 +210,31 @@ class RotaryPagedAttention(nn.Module):
             kv_scale=ctx.kv_scale(self.layer_idx),
         )  # fmt: skip
         return self.o_proj(out.view(num_tokens, q_size))
+
+
+class RotaryTable:
+    """transformers' rotary module's cos and sin [T, head_dim] (in x's dtype) at T
+    positions, looked up in a table that the module itself fills for positions 0..n-1,
+    n doubling as positions grow: one index a step in place of the module's half-dozen
+    small ops, which a decode step of a small model runs after its weights have pushed
+    the interpreter out of cache. Each position's values are the module's own: it
+    computes every element alone (a product, then cos or sin). Rope types that rescale
+    their frequencies with the sequence's length (dynamic, longrope) call the module."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        rope_type = getattr(module, "rope_type", "default")
+        self.static = isinstance(rope_type, str) and "dynamic" not in rope_type and rope_type != "longrope"
+        self.cos = self.sin = torch.empty(0)
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: any tensor of the model's dtype; positions [T] -> cos, sin [T, head_dim]."""
+        if not self.static:
+            cos, sin = self.module(x, positions[None])
+            return cos[0].contiguous(), sin[0].contiguous()
+        needed = int(positions.max()) + 1
+        if needed > self.cos.shape[0] or self.cos.dtype != x.dtype:
+            size = max(needed, 2 * self.cos.shape[0], 256)
+            cos, sin = self.module(x, torch.arange(size, device=positions.device)[None])
+            self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
+        return self.cos[positions], self.sin[positions]

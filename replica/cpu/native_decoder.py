@@ -66,7 +66,8 @@ class NativeDecoder:
                 fused.input_norms, fused.attentions, fused.post_norms, fused.mlps, strict=True
             )
         ]
-        self._layers, self._caches_seen = None, None
+        self._layers, self._caches_seen = None, None  # _caches_seen: (KV caches, scales) bound
+        self._shapes: dict[tuple[int, ...], DecoderShape] = {}  # group_kernels -> shape, per binding
         self._kernels_at: dict[int, tuple[int, ...] | None] = {}  # rows -> _step_kernels(rows)
         self._scratch = torch.empty(0, dtype=self.dtype)
         self._lib = load_library()
@@ -134,10 +135,13 @@ class NativeDecoder:
 
     def _bind(self, ctx, group_kernels: tuple[int, ...]) -> DecoderShape:
         """The model's shapes for a step, and the layers' struct array with the context's
-        KV cache and scales, rebuilt when either changes."""
+        KV cache and scales, rebuilt when either changes. The runner replaces its lists of
+        caches and scales whole, never an item, so the lists' identity tells; held here,
+        a list's id cannot pass to a new one."""
         kv_caches = ctx.kv_caches
-        seen = (tuple((k.data_ptr(), v.data_ptr()) for k, v in kv_caches), tuple(ctx.kv_scales or ()))
-        if seen != self._caches_seen:
+        if self._caches_seen is None or not (
+            kv_caches is self._caches_seen[0] and ctx.kv_scales is self._caches_seen[1]
+        ):
             scales = [ctx.kv_scale(i) for i in range(len(self._weights))]
             self._layers = (DecoderLayer * len(self._weights))(
                 *(
@@ -151,14 +155,17 @@ class NativeDecoder:
                     for weights, (k, v), scale in zip(self._weights, kv_caches, scales, strict=True)
                 )
             )
-            self._caches_seen, self.block_size = seen, kv_caches[0][0].shape[2]
+            self._caches_seen, self.block_size = (kv_caches, ctx.kv_scales), kv_caches[0][0].shape[2]
             self.kv_format = ops.kv_format(kv_caches[0][0].dtype, self.dtype)
-        return DecoderShape(
-            **self._shape_args,
-            block_size=self.block_size,
-            kv_format=self.kv_format,
-            group_kernels=(ctypes.c_int * 4)(*group_kernels),
-        )
+            self._shapes = {}
+        if group_kernels not in self._shapes:
+            self._shapes[group_kernels] = DecoderShape(
+                **self._shape_args,
+                block_size=self.block_size,
+                kv_format=self.kv_format,
+                group_kernels=(ctypes.c_int * 4)(*group_kernels),
+            )
+        return self._shapes[group_kernels]
 
 
 def _projections(fused) -> list[list]:
