@@ -198,36 +198,26 @@ def gemm_group(
     quantized_x: bool = False,
     in_256_bits: bool = False,
 ) -> torch.Tensor:
-    """x [rows, k] times w, plus bias (fp32): [rows, n] in x's dtype. quantized_x: x
-    quantized per 32-block to int8 (gemm_group_q8, or gemm_group_q8_256 with
-    in_256_bits), else exact in fp32."""
+    """x [rows, k] (fp32 or bf16) times w, plus bias (in x's dtype): [rows, n] in x's
+    dtype, summed in fp32. quantized_x: x quantized per 32-block to int8 (gemm_group_q8,
+    or gemm_group_q8_256 with in_256_bits), else exact in fp32."""
     if quantized_x and not q8_kernel_runs(w.format):
         raise ValueError(f"the int8-activation kernel does not run {w.format} (groups of 16 or of 32s)")
     if in_256_bits and not (quantized_x and q8_256_kernel_runs(w.format, w.shape[1])):
         raise ValueError(f"the 256-bit int8-activation kernel does not run {w.format} [{w.shape[1]} in] here")
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"gemm_group.c's kernels take fp32 or bf16 inputs, not {x.dtype}")
+    # group_linear, as decoder.c calls it: x widened to fp32 and the output rounded to its
+    # dtype in C, in one call
     n, k = w.shape
-    lib = load_library()
-    if x.dtype in (torch.float32, torch.bfloat16) and (bias is None or bias.dtype == x.dtype):
-        # group_linear, as decoder.c calls it: x widened and the output rounded in C, in
-        # one call (this is every linear of a Python-loop step, and the output projection)
-        x, bias = x.contiguous(), None if bias is None else bias.contiguous()
-        out = x.new_empty((x.shape[0], n))
-        lib.group_linear(
-            out.data_ptr(), x.data_ptr(), ctypes.byref(w.struct()), None if bias is None else bias.data_ptr(),
-            x.shape[0], n, k, 0, int(x.dtype == torch.bfloat16), 2 if in_256_bits else int(quantized_x),
-            torch.get_num_threads(),
-        )  # fmt: skip
-        return out
-    xf = x.float().contiguous()
-    bias_f = None if bias is None else bias.float().contiguous()  # held: the kernel reads it
-    out = xf.new_empty((xf.shape[0], n))
-    kernel = lib.gemm_group_q8_256 if in_256_bits else lib.gemm_group_q8 if quantized_x else lib.gemm_group
-    kernel(
-        out.data_ptr(), xf.data_ptr(), w.qs.data_ptr(), w.scales.data_ptr(),
-        None if w.mins is None else w.mins.data_ptr(), None if bias_f is None else bias_f.data_ptr(),
-        xf.shape[0], n, k, w.group, w.bits, torch.get_num_threads(),
+    x, bias = x.contiguous(), None if bias is None else bias.to(x.dtype).contiguous()
+    out = x.new_empty((x.shape[0], n))
+    load_library().group_linear(
+        out.data_ptr(), x.data_ptr(), ctypes.byref(w.struct()), None if bias is None else bias.data_ptr(),
+        x.shape[0], n, k, 0, int(x.dtype == torch.bfloat16), 2 if in_256_bits else int(quantized_x),
+        torch.get_num_threads(),
     )  # fmt: skip
-    return out.to(x.dtype)
+    return out
 
 
 def group_linear_each(
