@@ -36,7 +36,8 @@ class FusedDecoder(nn.Module):
         activation stays out of its GEMM and decoder.c, which would skip them, is off."""
         super().__init__()
         self.embed_tokens = decoder.embed_tokens
-        self.rotary = RotaryTable(decoder.rotary_emb)
+        self.rotary_emb = decoder.rotary_emb
+        self.rotary = RotaryTable(self.rotary_emb)
         self.input_norms = nn.ModuleList(RMSNorm(layer.input_layernorm) for layer in decoder.layers)
         self.attentions = nn.ModuleList(
             RotaryPagedAttention(layer.self_attn, chooser) for layer in decoder.layers

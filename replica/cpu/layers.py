@@ -221,10 +221,14 @@ class RotaryTable:
     computes every element alone (a product, then cos or sin). Rope types that rescale
     their frequencies with the sequence's length (dynamic, longrope) call the module."""
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, lookup: bool = True):
+        """lookup=False: always the module (a table's size comes from the positions'
+        maximum, which on a GPU is a sync, and no CUDA graph can hold one)."""
         self.module = module
         rope_type = getattr(module, "rope_type", "default")
-        self.static = isinstance(rope_type, str) and "dynamic" not in rope_type and rope_type != "longrope"
+        self.static = (
+            lookup and isinstance(rope_type, str) and "dynamic" not in rope_type and rope_type != "longrope"
+        )
         self.cos = self.sin = torch.empty(0)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,7 +19,7 @@ from replica.attention.context import get_forward_context
 from replica.attention.triton_backend import attend
 from replica.cpu.decoder import FusedDecoder
 from replica.cpu.group_quant import GroupQuantWeight
-from replica.cpu.layers import concat_bias
+from replica.cpu.layers import RotaryTable, concat_bias
 from replica.gpu.op_choice import OpChoices, OpShapes, choose_ops
 
 logger = logging.getLogger(__name__)
@@ -109,6 +109,7 @@ class GPUFusedDecoder(FusedDecoder):
         self.op_choices = ops = OpChoices()
         self.embed_tokens = decoder.embed_tokens
         self.rotary_emb = decoder.rotary_emb
+        self.rotary = RotaryTable(self.rotary_emb, lookup=False)
         self.input_norms = nn.ModuleList(RMSNorm(layer.input_layernorm, ops) for layer in decoder.layers)
         self.attentions = nn.ModuleList(
             RotaryPagedAttention(layer.self_attn, ops) for layer in decoder.layers
