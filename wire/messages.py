@@ -101,6 +101,9 @@ class ReplicaReport:
     num_preemptions: int
     cpu_affinity: list[int]  # the engine thread's cores
     torch_threads: int
+    # A pinned CPU replica's steps of up to this many tokens run on every core, as bursts
+    # do (affinity.CorePlan; the kernels its own timings chose decide); 0 otherwise.
+    shared_rows: int = 0
     # What the weights are stored in (the quantization, else the model's dtype) and take
     # (tensor parallelism: rank 0's share), and what the KV cache holds.
     weight_dtype: str = ""

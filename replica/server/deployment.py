@@ -50,8 +50,10 @@ class LLMServer:
         check_versions(versions, "replica")
         self.engine = Engine(EngineConfig.from_kwargs(**(engine_args or {})))
         cores = self.engine.config.cpu_cores
+        self.shared_rows = 0
         if cores is not None and self.engine.device_type == "cpu":
             plan = CorePlan.resolve(cores, shared_rows=self.engine.rows_sharing_work())
+            self.shared_rows = plan.shared_rows
             plan.pin_for_step(1)  # before the engine's thread starts, as for a decode step
             self.engine.pin_to_cores(plan)
             logger.info(
@@ -174,6 +176,7 @@ class LLMServer:
             spec_decode=s.spec_decode,  # a copy: the push thread pickles it as the engine steps
             cpu_affinity=sorted(os.sched_getaffinity(0)),  # the engine thread's
             torch_threads=torch.get_num_threads(),
+            shared_rows=self.shared_rows,
             weight_dtype=weights.quantization or weights.dtype,
             weight_bytes=weights.linear_bytes + weights.other_bytes,
             kv_cache_dtype=str(self.engine.runner.kv_dtype).removeprefix("torch."),
