@@ -377,7 +377,7 @@ static inline float add_min_terms(__m256* acc, const uint16_t* jm, const float* 
 #define Q_COLUMNS 4
 static inline __attribute__((always_inline)) void columns_q8_one_row(
     float* y, const int8_t* xq, const float* xd, const float* xsum, const uint8_t* qs, const uint16_t* scales,
-    const uint16_t* mins, const float* bias, int64_t j, int64_t n, int64_t k, int group, int bits) {
+    const uint16_t* mins, const float* bias, int64_t j, int64_t k, int group, int bits) {
     const int64_t groups = k / group, blocks = k / 32;
     __m256 acc[Q_COLUMNS];
     for (int c = 0; c < Q_COLUMNS; c++) acc[c] = _mm256_setzero_ps();
@@ -422,9 +422,9 @@ static void one_row_q8(float* y, const int8_t* xq, const float* xd, const float*
         const int64_t end = (p + 1) * quads_per_panel < quads ? (p + 1) * quads_per_panel : quads;
         for (int64_t q = p * quads_per_panel; q < end; q++) {
             if (bits == 4)
-                columns_q8_one_row(y, xq, xd, xsum, qs, scales, mins, bias, q * Q_COLUMNS, n, k, group, 4);
+                columns_q8_one_row(y, xq, xd, xsum, qs, scales, mins, bias, q * Q_COLUMNS, k, group, 4);
             else
-                columns_q8_one_row(y, xq, xd, xsum, qs, scales, mins, bias, q * Q_COLUMNS, n, k, group, 8);
+                columns_q8_one_row(y, xq, xd, xsum, qs, scales, mins, bias, q * Q_COLUMNS, k, group, 8);
         }
     });
     for (int64_t j = quads * Q_COLUMNS; j < n; j++)
