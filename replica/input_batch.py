@@ -30,13 +30,14 @@ def pack_inputs(
     block_size: int,
     device: torch.device,
     fill: Fill | None = None,
+    decode_mask: bool = True,
 ) -> PackedInputs:
     """`fill`'s tokens replace their rows' placeholders in token_ids on the device, so
-    that the host never waits for them."""
+    that the host never waits for them. decode_mask: as build_metadata's."""
     query_lens = [len(t) for t in token_ids]
     flat = [t for row in token_ids for t in row]
     positions = [p for ctx, q in zip(context_lens, query_lens, strict=True) for p in range(ctx - q, ctx)]
-    meta = build_metadata(block_tables, context_lens, query_lens, block_size, device)
+    meta = build_metadata(block_tables, context_lens, query_lens, block_size, device, decode_mask)
     input_ids = torch.tensor([flat], dtype=torch.long, device=device)
     if fill is not None:  # decode rows come first, so decode row i is packed token i
         input_ids[0, fill[0]] = fill[1]

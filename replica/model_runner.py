@@ -423,7 +423,10 @@ class ModelRunner:
     ) -> torch.Tensor:
         """rows: the packed rows whose hidden states are wanted (None: all). lora_slots:
         each row's adapter slot (-1: none), or None where no row has an adapter."""
-        packed = pack_inputs(token_ids, context_lens, block_tables, self.block_size, self.device, fill)
+        packed = pack_inputs(
+            token_ids, context_lens, block_tables, self.block_size, self.device, fill,
+            decode_mask=self.backend.name == "torch",
+        )  # fmt: skip
         if rows is not None:
             rows = torch.tensor(rows, dtype=torch.long, device=self.device)
         lora = None

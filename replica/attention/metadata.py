@@ -46,8 +46,11 @@ def build_metadata(
     query_lens: list[int],
     block_size: int,
     device: torch.device,
+    decode_mask: bool = True,
 ) -> AttentionMetadata:
-    """Rows must come decodes first (query_len 1), then prefill chunks."""
+    """Rows must come decodes first (query_len 1), then prefill chunks. decode_mask=False
+    leaves decode_mask None, for backends that read the context lengths instead (only the
+    torch backend reads it; on a CPU its few small ops are part of every step's host work)."""
     num_decodes = 0
     while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
         num_decodes += 1
@@ -56,14 +59,15 @@ def build_metadata(
     for table, ctx, q in zip(block_tables, context_lens, query_lens, strict=True):
         slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(ctx - q, ctx))
 
-    decode_tables = decode_mask = decode_lens = None
+    decode_tables = mask = decode_lens = None
     if num_decodes:
         lens = context_lens[:num_decodes]
         width = -(-max(lens) // block_size)
         rows = [t[:width] + [0] * (width - len(t[:width])) for t in block_tables[:num_decodes]]
         decode_tables = torch.tensor(rows, dtype=torch.int32, device=device)
-        positions = torch.arange(width * block_size)
-        decode_mask = (positions[None, :] < torch.tensor(lens)[:, None])[:, None, None, :].to(device)
+        if decode_mask:
+            positions = torch.arange(width * block_size)
+            mask = (positions[None, :] < torch.tensor(lens)[:, None])[:, None, None, :].to(device)
         decode_lens = torch.tensor(lens, dtype=torch.int32, device=device)
 
     prefills = []
@@ -91,7 +95,7 @@ def build_metadata(
         slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
         num_decodes=num_decodes,
         decode_block_tables=decode_tables,
-        decode_mask=decode_mask,
+        decode_mask=mask,
         prefills=prefills,
         decode_context_lens=decode_lens,
         prefill_query_starts=starts,
