@@ -178,6 +178,17 @@ def test_rotary_table_equals_the_module_at_any_positions(steps, bf16, head_dim, 
         assert cos.dtype == x.dtype and cos.is_contiguous()
 
 
+def test_rotary_table_stays_within_the_context_until_a_position_passes_it():
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=100)
+    module = LlamaRotaryEmbedding(config)
+    table, x = RotaryTable(module), torch.empty(0)
+    for position, size in [(3, 100), (99, 100), (150, 256), (255, 256), (256, 512)]:
+        cos, sin = table(x, torch.tensor([position]))
+        expected_cos, expected_sin = module(x, torch.tensor([[position]]))
+        assert torch.equal(cos, expected_cos[0]) and torch.equal(sin, expected_sin[0])
+        assert table.cos.shape[0] == size, position
+
+
 def test_rotary_table_leaves_length_dependent_ropes_to_the_module():
     config = LlamaConfig(
         hidden_size=64, num_attention_heads=4, max_position_embeddings=64,

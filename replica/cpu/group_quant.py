@@ -301,7 +301,7 @@ def embedding_rows(w: GroupQuantWeight, ids: torch.Tensor, dtype: torch.dtype) -
     one call where gemm_group.c runs here (the same fp32 product and rounding)."""
     if dtype not in (torch.float32, torch.bfloat16) or not group_gemm_available():
         return w.dequantize(dtype, ids)
-    ids = ids.contiguous()
+    ids = ids.to(torch.long).contiguous()  # the C loop reads int64 ids
     out = torch.empty((ids.shape[0], w.shape[1]), dtype=dtype)
     _dequantize_into(out, w, ids, torch.get_num_threads())
     return out

@@ -239,6 +239,9 @@ class RotaryTable:
         needed = int(positions.max()) + 1
         if needed > self.cos.shape[0] or self.cos.dtype != x.dtype:
             size = max(needed, 2 * self.cos.shape[0], 256)
+            limit = getattr(self.module, "max_seq_len_cached", None)
+            if limit and needed <= limit:  # doubling, but not past the model's context
+                size = min(size, limit)
             cos, sin = self.module(x, torch.arange(size, device=positions.device)[None])
             self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
         return self.cos[positions], self.sin[positions]
