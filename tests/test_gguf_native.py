@@ -97,6 +97,12 @@ def _reference(x: torch.Tensor, w: GroupQuantWeight, bias, quantized_x: bool) ->
     return y if bias is None else y + bias.double()
 
 
+def _in_features(fmt: str, blocks: int) -> int:
+    """`blocks` 32-blocks of weights in a row, or that many groups where a group is larger."""
+    _, group, _ = group_quant.parse_format(fmt)
+    return 32 * blocks * max(1, group // 32)
+
+
 @needs_kernels
 @settings(max_examples=40, deadline=None)
 @given(
@@ -113,8 +119,7 @@ def test_group_kernels_match_their_references(fmt, rows, n, blocks, with_bias, s
     where the AVX-512 kernel is built, else 256 bits for 4-bit weights (and there, the
     256-bit kernel too: its VNNI dot products; at one row in groups of 32, four pairs at a
     time)."""
-    bits, group, _ = group_quant.parse_format(fmt)
-    k = 32 * blocks * max(1, group // 32)
+    k = _in_features(fmt, blocks)
     g = torch.Generator().manual_seed(seed)
     w = group_quant.quantize(torch.randn(n, k, generator=g), fmt)
     x = torch.randn(rows, k, generator=g)
@@ -147,8 +152,7 @@ def test_group_kernels_match_their_references(fmt, rows, n, blocks, with_bias, s
 )
 def test_embedding_rows_equal_the_dequantized_rows(fmt, n, blocks, ids, bf16, seed):
     """A lookup in C (repeated ids, any order) gives the reference's rows bit for bit."""
-    bits, group, _ = group_quant.parse_format(fmt)
-    k = 32 * blocks * max(1, group // 32)
+    k = _in_features(fmt, blocks)
     w = group_quant.quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)), fmt)
     ids = torch.tensor([i % n for i in ids])
     dtype = torch.bfloat16 if bf16 else torch.float32
