@@ -7,6 +7,7 @@ from tqdm.auto import tqdm
 from replica.chat_template import Message, chat_prompt_ids, default_chat_template, load_chat_template
 from replica.config import EngineConfig
 from replica.engine import Engine
+from router.model_files import sampling_defaults
 from wire.lora_request import LoRARequest
 from wire.outputs import RequestOutput, merge_samples
 from wire.sampling_params import SamplingParams
@@ -15,14 +16,32 @@ Prompt = str | list[int]
 
 
 class LLM:
-    def __init__(self, model: str | None = None, chat_template: str | None = None, **engine_args):
-        """chat_template: instead of the model's, as in load_chat_template."""
+    def __init__(
+        self,
+        model: str | None = None,
+        chat_template: str | None = None,
+        generation_config: str = "auto",
+        **engine_args,
+    ):
+        """chat_template: instead of the model's, as in load_chat_template.
+        generation_config: "auto" makes the sampling fields of the model's
+        generation_config.json the parameters of a call that passes none, as vLLM's LLM
+        does and as the server does for the fields a request leaves unset; "none" keeps
+        SamplingParams' own."""
+        if generation_config not in ("auto", "none"):
+            raise ValueError(f'generation_config must be "auto" or "none", not {generation_config!r}')
         self.engine = Engine(EngineConfig.from_kwargs(model=model, **engine_args))
         self.chat_template = load_chat_template(default_chat_template(model, chat_template))
+        auto = generation_config == "auto"
+        self._sampling_defaults = sampling_defaults(self.engine.model_path) if auto else {}
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a call without SamplingParams runs with (a new one each time, as in vLLM)."""
+        return SamplingParams(**self._sampling_defaults)
 
     def generate(
         self,
@@ -37,7 +56,7 @@ class LLM:
         with, or one per prompt (None: the base model), for an engine with enable_lora."""
         prompts = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):

@@ -1,6 +1,8 @@
-"""Engine behaviour through the offline API on the real bundled model."""
+"""Engine behaviour through the offline API, on the real bundled model unless a test
+builds its own."""
 
 import pytest
+from conftest import save_random_llama
 
 from kvserve import LLM, SamplingParams
 from replica.model_loader import ModelNotFoundError
@@ -148,6 +150,8 @@ def test_missing_model_and_unknown_args_are_clear_errors(tmp_path):
         LLM(None, bogus=1)
     with pytest.raises(ValueError, match="scheduling_policy"):
         LLM(None, scheduling_policy="fifo")
+    with pytest.raises(ValueError, match="generation_config"):
+        LLM(None, generation_config="vllm")
 
 
 def test_warm_up_leaves_no_trace(llm_fp32):
@@ -166,3 +170,25 @@ def test_warm_up_leaves_no_trace(llm_fp32):
     assert engine.sampling.num_slots_in_use == 0
     (after,) = llm_fp32.generate(prompt, params, use_tqdm=False)
     assert after.token_ids == before.token_ids and after.num_cached_tokens == 0
+
+
+def test_the_bundled_models_sampling_is_the_default_of_a_call_without_params(llm_fp32):
+    assert llm_fp32.get_default_sampling_params() == SamplingParams(temperature=0.2, top_p=0.9)
+
+
+def test_a_call_without_params_samples_as_the_models_generation_config_says(tmp_path, tokenizer):
+    """top_k=1 in the file makes sampling at temperature 1.5 greedy; SamplingParams' own
+    defaults would sample a small random model's flat distributions instead."""
+    from transformers import GenerationConfig
+
+    save_random_llama(tmp_path, tokenizer, vocab_size=len(tokenizer))
+    GenerationConfig(do_sample=True, top_k=1, temperature=1.5).save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32")
+    assert llm.get_default_sampling_params() == SamplingParams(top_k=1, temperature=1.5)
+    prompts = ["Once upon a time", "The capital of France is"]
+    greedy = SamplingParams(temperature=0)  # max_tokens 16, as the default's
+    assert [o.token_ids for o in llm.generate(prompts, use_tqdm=False)] == [
+        o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)
+    ]
+    as_given = LLM(str(tmp_path), dtype="float32", generation_config="none")
+    assert as_given.get_default_sampling_params() == SamplingParams()
