@@ -1,7 +1,8 @@
 """The oracle for LoRA adapters: greedy output in fp32 equals HF + PEFT's `generate`
 (the adapter active, unmerged) token for token, for one batch that mixes four adapters
 (ranks 8 and 16, on every attention and MLP projection) and the base model, with
-chunked prefill and preemption; and the engine's own handling of adapters."""
+chunked prefill and preemption, on dense weights and on the bundled GGUF's own 4-bit
+blocks; and the engine's own handling of adapters."""
 
 import pytest
 import torch
@@ -10,7 +11,10 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from kvserve import LLM, SamplingParams
+from replica.cpu import group_quant, linear_kernels
+from replica.cpu.group_quant import GroupQuantWeight
 from replica.lora.adapter_files import LoRAAdapterError
+from replica.model_loader import bundled_gguf_path
 from wire.lora_request import LoRARequest
 
 ADAPTERS = {"a": 8, "b": 16, "c": 8, "d": 16}  # name -> rank
@@ -97,6 +101,29 @@ def test_mixed_batch_matches_peft(model_path, adapters, prompt_ids, expected, at
     assert _generate(llm, prompt_ids, adapters) == expected
     assert llm.engine.stats().num_preemptions > 0
     assert llm.engine.kv.num_free_blocks == 6, "every block is back"
+
+
+@pytest.mark.skipif(not group_quant.group_gemm_available(), reason="gemm_group.c needs AVX2, FMA and F16C")
+def test_adapters_on_a_gguf_models_own_blocks_match_peft_on_its_dequantized_weights(
+    adapters, prompt_ids, expected
+):
+    """The adapters wrap the bundled GGUF's 4-bit linears (decoder.c's loop steps aside
+    for them), and on the exact kernel in fp32 the output is PEFT's on the weights
+    transformers dequantized from the same file (`model_path`)."""
+    llm = LLM(
+        str(bundled_gguf_path()),
+        dtype="float32",
+        cpu_kernels="gemm.c",
+        enable_lora=True,
+        max_loras=4,
+        max_cpu_loras=4,
+    )
+    runner = llm.engine.runner
+    assert runner.weights.quantization == "gguf" and runner.run_decoder.native is None
+    bases = [layer.base.layout(linear_kernels.GROUP_GEMM_C)[0] for layer in runner.lora_layers]
+    assert len(bases) == 4 * runner.num_layers
+    assert all(isinstance(w, GroupQuantWeight) for w in bases), "each adapter wraps a 4-bit weight"
+    assert _generate(llm, prompt_ids, adapters) == expected
 
 
 def test_prefix_cache_is_per_adapter(model_path, adapters, tokenizer):
