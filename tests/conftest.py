@@ -56,6 +56,20 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def triton_device() -> str:
+    """The device a test module's Triton kernels run on: a CUDA GPU, or the CPU under
+    TRITON_INTERPRET=1 (set above, before triton was imported). Called at the top of the
+    module, it skips the whole module where neither can run them."""
+    if importlib.util.find_spec("triton") is None or not (
+        torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+    ):
+        pytest.skip(
+            "needs triton, and a CUDA GPU or TRITON_INTERPRET=1 set before it was imported",
+            allow_module_level=True,
+        )
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _build_caches_in_the_background() -> None:
     """Collecting the tests keeps one core busy on a 2-core machine. On a fresh one the
     other core meanwhile compiles the CPU kernels and converts the bundled GGUF, which
@@ -315,15 +329,23 @@ def undeploy(app: str) -> None:
     ray.kill(get_coordinator(coordinator_address(app)))
 
 
-def replica_actor(app: str):
-    """The actor of an app's only LLMServer replica. Serve names replica actors
-    SERVE_REPLICA::<app>#<deployment>#<id>; the coordinator knows the id."""
+def coordinator_snapshot(app: str) -> dict:
+    """The latest report of each of an app's replicas, by replica id: its coordinator's
+    copy. Looked up, never created: a test asks after the app has made it."""
     import ray
 
     from router.placement.coordinator import coordinator_address
 
     namespace, name = coordinator_address(app)
-    (replica_id,) = ray.get(ray.get_actor(name, namespace=namespace).snapshot.remote())
+    return ray.get(ray.get_actor(name, namespace=namespace).snapshot.remote())
+
+
+def replica_actor(app: str):
+    """The actor of an app's only LLMServer replica. Serve names replica actors
+    SERVE_REPLICA::<app>#<deployment>#<id>; the coordinator knows the id."""
+    import ray
+
+    (replica_id,) = coordinator_snapshot(app)
     return ray.get_actor(f"SERVE_REPLICA::{app}#LLMServer#{replica_id}", namespace="serve")
 
 

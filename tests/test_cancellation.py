@@ -8,13 +8,11 @@ import asyncio
 import httpx
 import openai
 import pytest
-import ray
-from conftest import SERVE_HTTP_PORT, undeploy, wait_for
+from conftest import SERVE_HTTP_PORT, coordinator_snapshot, undeploy, wait_for
 from ray import serve
 from test_metrics import metric_values
 
 from deployments.app import build_app
-from router.placement.coordinator import coordinator_address
 from wire.messages import ReplicaReport
 
 APP = "cancel-test"
@@ -24,13 +22,8 @@ BASE_URL = f"http://127.0.0.1:{SERVE_HTTP_PORT}/{APP}"
 LONG_PROMPT = " ".join(f"item {i}," for i in range(600))
 
 
-def snapshot() -> dict[str, ReplicaReport]:
-    namespace, name = coordinator_address(APP)
-    return ray.get(ray.get_actor(name, namespace=namespace).snapshot.remote())
-
-
 def all_idle_and_free() -> bool:
-    replicas = snapshot()
+    replicas = coordinator_snapshot(APP)
     return len(replicas) == 2 and all(
         s.num_running == 0 and s.num_waiting == 0 and s.num_free_blocks == s.num_total_blocks
         for s in replicas.values()
@@ -53,11 +46,11 @@ async def cancel_when(tasks: list[asyncio.Task], condition) -> None:
     """Cancel every task once `condition(snapshot)` holds (checked every 50 ms)."""
     loop = asyncio.get_running_loop()
     for _ in range(1200):
-        if condition(await loop.run_in_executor(None, snapshot)):
+        if condition(await loop.run_in_executor(None, coordinator_snapshot, APP)):
             break
         await asyncio.sleep(0.05)
     else:
-        raise AssertionError(f"never reached the state to cancel in: {snapshot()}")
+        raise AssertionError(f"never reached the state to cancel in: {coordinator_snapshot(APP)}")
     for task in tasks:
         task.cancel()
     results = await asyncio.gather(*tasks, return_exceptions=True)

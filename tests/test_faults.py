@@ -11,7 +11,7 @@ import grpc
 import httpx
 import pytest
 import ray
-from conftest import SERVE_GRPC_PORT, SERVE_HTTP_PORT, replica_actor, undeploy, wait_for
+from conftest import SERVE_GRPC_PORT, SERVE_HTTP_PORT, coordinator_snapshot, replica_actor, undeploy, wait_for
 from ray import serve
 
 from deployments.app import build_app
@@ -19,7 +19,6 @@ from router.api.protos import kvserve_pb2 as pb
 from router.api.protos import kvserve_pb2_grpc as pb_grpc
 from router.generation import start_generation
 from router.metrics import ServingMetrics
-from router.placement.coordinator import coordinator_address
 from wire.messages import GenerateRequest, ReplicaReport, StreamChunk
 from wire.sampling_params import SamplingParams
 
@@ -77,11 +76,6 @@ def test_a_replica_that_dies_after_the_last_chunk_of_a_stream_loses_nothing(ray_
         assert [(c.text, c.finish_reason) for c in chunks] == [(" the end", "length")]
     finally:
         undeploy(app)
-
-
-def coordinator_snapshot(app: str) -> dict[str, ReplicaReport]:
-    namespace, name = coordinator_address(app)
-    return ray.get(ray.get_actor(name, namespace=namespace).snapshot.remote())
 
 
 def stream_completion(url: str, body: dict) -> dict:

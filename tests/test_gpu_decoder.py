@@ -7,22 +7,13 @@ launches per layer, bounded, so that a change that unfuses something fails here 
 GPU."""
 
 import contextlib
-import importlib.util
-import os
 
 import pytest
 import torch
+from conftest import hf_greedy, triton_device
 
-if importlib.util.find_spec("triton") is None or not (
-    torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
-):
-    pytest.skip(
-        "needs triton, and a CUDA GPU or TRITON_INTERPRET=1 set before it was imported",
-        allow_module_level=True,
-    )
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DEVICE = triton_device()
 
-from conftest import hf_greedy  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402

@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 import ray
-from conftest import AGENT_APP, wait_for
+from conftest import AGENT_APP, coordinator_snapshot, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
@@ -275,12 +275,8 @@ def test_tokenize_detokenize_and_model_card_as_vllm_shapes_them(base_url, llm_fp
 
 
 def test_responses_name_the_replica_that_served_them(base_url):
-    import ray
 
-    from router.placement.coordinator import coordinator_address
-
-    namespace, name = coordinator_address(AGENT_APP)
-    (replica_id,) = ray.get(ray.get_actor(name, namespace=namespace).snapshot.remote())
+    (replica_id,) = coordinator_snapshot(AGENT_APP)
     body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
     response = httpx.post(f"{base_url}/v1/completions", json=body)
     assert response.status_code == 200 and response.json()["choices"][0]["text"]

@@ -24,7 +24,7 @@ import httpx
 import openai
 import pytest
 import ray
-from conftest import SERVE_GRPC_PORT, SERVE_HTTP_PORT, undeploy, wait_for
+from conftest import SERVE_GRPC_PORT, SERVE_HTTP_PORT, coordinator_snapshot, undeploy, wait_for
 from ray import serve
 from test_metrics import metric_values
 
@@ -32,8 +32,6 @@ from bench.chaos import run_chaos
 from deployments.app import build_app
 from router.api.protos import kvserve_pb2 as pb
 from router.api.protos import kvserve_pb2_grpc as pb_grpc
-from router.placement.coordinator import coordinator_address
-from wire.messages import ReplicaReport
 
 APP = "migration-test"
 MODEL = "SmolLM2-135M-Instruct"
@@ -41,11 +39,6 @@ MAX_TOKENS = 128
 HTTP_PROMPTS = [f"Story {i}: once upon a time, in a town by the sea," for i in range(12)]
 GRPC_PROMPTS = [f"Letter {i}: dear friend, the lighthouse" for i in range(4)]
 META = [("application", APP)]
-
-
-def coordinator_snapshot() -> dict[str, ReplicaReport]:
-    namespace, name = coordinator_address(APP)
-    return ray.get(ray.get_actor(name, namespace=namespace).snapshot.remote())
 
 
 def counters() -> dict[str, float]:
@@ -134,8 +127,8 @@ def test_streams_survive_a_killed_replica(two_replicas):
         s.start()
     wait_for(lambda: all(s.chunks for s in streams), timeout_s=60)
     # Reports lag a little behind the streams: wait until they show all sixteen.
-    wait_for(lambda: sum(r.num_running for r in coordinator_snapshot().values()) == 16, timeout_s=10)
-    snapshot = coordinator_snapshot()
+    wait_for(lambda: sum(r.num_running for r in coordinator_snapshot(APP).values()) == 16, timeout_s=10)
+    snapshot = coordinator_snapshot(APP)
     victim = max(snapshot, key=lambda r: snapshot[r].num_running)
     moved = snapshot[victim].num_running
     assert moved >= 8 and not any(s.tokens for s in streams), snapshot  # all still running
@@ -156,7 +149,7 @@ def test_streams_survive_a_killed_replica(two_replicas):
     assert counters()["kvserve:request_migrations_total"] == moved
 
     def replaced_and_idle() -> bool:
-        snapshot = coordinator_snapshot()
+        snapshot = coordinator_snapshot(APP)
         return (
             len(snapshot) == 2
             and victim not in snapshot

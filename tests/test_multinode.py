@@ -24,12 +24,10 @@ from pathlib import Path
 import openai
 import pytest
 import ray
-from conftest import HUB_ID, wait_for
+from conftest import HUB_ID, coordinator_snapshot, wait_for
 from ray import serve
 
 from deployments.app import build_app
-from router.placement.coordinator import coordinator_address
-from wire.messages import ReplicaReport
 
 GCS_PORT, HTTP_PORT = 29390, 18491  # the GCS port outside Ray's worker ports (10002-19999)
 APP = "kvserve"
@@ -118,12 +116,6 @@ def head_node_id() -> str:
     return head
 
 
-def replica_reports() -> dict[str, ReplicaReport]:
-    """The LLMServer replicas' latest reports, by replica id (the coordinator's copy)."""
-    namespace, name = coordinator_address(APP)
-    return ray.get(ray.get_actor(name, namespace=namespace).snapshot.remote())
-
-
 def test_replicas_land_on_gpu_workers_scale_up_under_kv_pressure_and_back_down(fake_cluster):
     assert worker_nodes() == {}  # workers scale from 0
     # One proxy, on the head: the fake nodes share this machine's address and ports.
@@ -148,8 +140,8 @@ def test_replicas_land_on_gpu_workers_scale_up_under_kv_pressure_and_back_down(f
     serve.run(app, name=APP, route_prefix="/")  # waits for a worker node and its replica
 
     head = head_node_id()
-    wait_for(lambda: len(replica_reports()) == 1, timeout_s=30)
-    [first] = replica_reports().values()
+    wait_for(lambda: len(coordinator_snapshot(APP)) == 1, timeout_s=30)
+    [first] = coordinator_snapshot(APP).values()
     assert first.node_id in worker_nodes() and first.node_id != head
     assert first.device == "cpu"  # a fake GPU: torch sees none and the engine uses the CPU
 
@@ -182,18 +174,18 @@ def test_replicas_land_on_gpu_workers_scale_up_under_kv_pressure_and_back_down(f
     for thread in threads:
         thread.start()
     try:
-        wait_for(lambda: len(replica_reports()) == 2, timeout_s=240, interval_s=0.5)
+        wait_for(lambda: len(coordinator_snapshot(APP)) == 2, timeout_s=240, interval_s=0.5)
     finally:
         stop.set()
         for thread in threads:
             thread.join(timeout=120)
     assert errors == []
     assert completion_tokens and set(completion_tokens) == {120}  # none cut short by the scale-up
-    nodes = {report.node_id for report in replica_reports().values()}
+    nodes = {report.node_id for report in coordinator_snapshot(APP).values()}
     assert len(nodes) == 2 and nodes <= set(worker_nodes()) and head not in nodes
 
     # Idle: back to one replica, and the autoscaler removes the node it left.
-    wait_for(lambda: len(replica_reports()) == 1, timeout_s=120, interval_s=0.5)
+    wait_for(lambda: len(coordinator_snapshot(APP)) == 1, timeout_s=120, interval_s=0.5)
     wait_for(lambda: len(worker_nodes()) == 1, timeout_s=120, interval_s=0.5)
     again = client.completions.create(model=HUB_ID, prompt="Hello", max_tokens=4)
     assert again.choices[0].text is not None

@@ -10,7 +10,7 @@ import psutil
 import pytest
 import ray
 import torch
-from conftest import SERVE_HTTP_PORT, hf_greedy, release_memory, undeploy
+from conftest import SERVE_HTTP_PORT, coordinator_snapshot, hf_greedy, release_memory, undeploy
 from hypothesis import given
 from hypothesis import strategies as st
 from ray import serve
@@ -20,7 +20,6 @@ from deployments.app import build_app
 from kvserve import LLM, SamplingParams
 from replica.parallel import workers
 from replica.parallel.sharding import ShardingError, split_heads
-from router.placement.coordinator import coordinator_address
 
 PROMPTS = [
     "Hi",
@@ -230,9 +229,7 @@ def test_a_tp2_replica_serves_and_is_replaced_when_a_worker_dies(ray_cluster, mo
         )
         assert "".join(c.choices[0].text for c in stream if c.choices) == want.text
 
-        namespace, name = coordinator_address(app)
-        coordinator = ray.get_actor(name, namespace=namespace)
-        (first_id, report), *others = ray.get(coordinator.snapshot.remote()).items()
+        (first_id, report), *others = coordinator_snapshot(app).items()
         assert not others and report.tensor_parallel_size == 2
         tables = ray.util.placement_group_table().values()
         assert any(
@@ -258,7 +255,7 @@ def test_a_tp2_replica_serves_and_is_replaced_when_a_worker_dies(ray_cluster, mo
                 pass
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            replicas = ray.get(coordinator.snapshot.remote())
+            replicas = coordinator_snapshot(app)
             if replicas and first_id not in replicas:
                 break
             time.sleep(1)
@@ -284,10 +281,8 @@ def test_a_tp2_replica_beside_a_tp1_replica_shares_the_load(ray_cluster, model_p
     }
     serve.run(build_app(config), name=app, route_prefix="/mix")
     try:
-        namespace, name = coordinator_address(app)
-        coordinator = ray.get_actor(name, namespace=namespace)
         deadline = time.monotonic() + 60
-        while len(reports := ray.get(coordinator.snapshot.remote())) < 2 and time.monotonic() < deadline:
+        while len(reports := coordinator_snapshot(app)) < 2 and time.monotonic() < deadline:
             time.sleep(0.5)
         by_shape = {r.deployment: (rid, r.tensor_parallel_size) for rid, r in reports.items()}
         assert {shape for _, shape in by_shape.values()} == {1, 2}, by_shape
@@ -300,7 +295,7 @@ def test_a_tp2_replica_beside_a_tp1_replica_shares_the_load(ray_cluster, model_p
         client = openai.OpenAI(
             base_url=f"http://127.0.0.1:{SERVE_HTTP_PORT}/mix/v1", api_key="x", max_retries=0, timeout=120
         )
-        before = {rid: r.prefix_cache_queries for rid, r in ray.get(coordinator.snapshot.remote()).items()}
+        before = {rid: r.prefix_cache_queries for rid, r in coordinator_snapshot(app).items()}
 
         async def burst(batch: list[str]) -> list[str]:
             aclient = openai.AsyncOpenAI(base_url=client.base_url, api_key="x", max_retries=0, timeout=120)
@@ -315,7 +310,7 @@ def test_a_tp2_replica_beside_a_tp1_replica_shares_the_load(ray_cluster, model_p
         texts = asyncio.run(burst(prompts[:8])) + asyncio.run(burst(prompts[8:]))
         assert texts == [o.text for o in want]
         time.sleep(0.5)  # the replicas' next reports
-        after = ray.get(coordinator.snapshot.remote())
+        after = coordinator_snapshot(app)
         taken = {rid: (after[rid].prefix_cache_queries - before[rid]) // 2 for rid in before}
         assert sum(taken.values()) == 16, taken
         assert min(taken.values()) >= 4, taken  # neither group sat out, nor took nearly all
