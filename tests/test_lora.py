@@ -117,6 +117,8 @@ def test_adapters_on_a_gguf_models_own_blocks_match_peft_on_its_dequantized_weig
         enable_lora=True,
         max_loras=4,
         max_cpu_loras=4,
+        max_num_batched_tokens=16,
+        num_kv_blocks=6,
     )
     runner = llm.engine.runner
     assert runner.weights.quantization == "gguf" and runner.run_decoder.native is None
@@ -124,6 +126,7 @@ def test_adapters_on_a_gguf_models_own_blocks_match_peft_on_its_dequantized_weig
     assert len(bases) == 4 * runner.num_layers
     assert all(isinstance(w, GroupQuantWeight) for w in bases), "each adapter wraps a 4-bit weight"
     assert _generate(llm, prompt_ids, adapters) == expected
+    assert llm.engine.stats().num_preemptions > 0
 
 
 def test_prefix_cache_is_per_adapter(model_path, adapters, tokenizer):
