@@ -6,13 +6,11 @@ import time
 import httpx
 import openai
 import pytest
-import ray
 from conftest import AGENT_APP, coordinator_snapshot, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
 from kvserve import SamplingParams
-from router.placement.coordinator import coordinator_address, get_coordinator
 from wire.messages import ReplicaReport
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -194,10 +192,9 @@ def test_dropped_http_stream_frees_blocks(base_url):
 
 
 def test_replicas_report_to_the_coordinator(base_url):
-    coordinator = get_coordinator(coordinator_address(AGENT_APP))
     snapshot = {}
     for _ in range(50):
-        snapshot = ray.get(coordinator.snapshot.remote())
+        snapshot = coordinator_snapshot(AGENT_APP)
         if snapshot:
             break
         time.sleep(0.1)
@@ -241,7 +238,7 @@ def test_tokenize_detokenize_and_model_card_as_vllm_shapes_them(base_url, llm_fp
     card = httpx.get(f"{base_url}/v1/models").json()["data"][0]
     assert card["root"] and card["parent"] is None
     # The replica's own window, clipped to its 0.25 GB KV cache, not the model's 8192.
-    snapshot = ray.get(get_coordinator(coordinator_address(AGENT_APP)).snapshot.remote())
+    snapshot = coordinator_snapshot(AGENT_APP)
     assert card["max_model_len"] == min(report.max_model_len for report in snapshot.values()) < 8192
 
     text = "The capital of France is"
@@ -275,7 +272,6 @@ def test_tokenize_detokenize_and_model_card_as_vllm_shapes_them(base_url, llm_fp
 
 
 def test_responses_name_the_replica_that_served_them(base_url):
-
     (replica_id,) = coordinator_snapshot(AGENT_APP)
     body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
     response = httpx.post(f"{base_url}/v1/completions", json=body)
