@@ -14,7 +14,7 @@ generate: setup
 	$(VENV)/bin/kvserve generate "$(PROMPT)" --max-tokens 64
 
 test: setup
-	HF_HUB_OFFLINE=1 $(VENV)/bin/python -m pytest -q --durations=15 --max-test-seconds=90 --max-suite-minutes=40 tests
+	HF_HUB_OFFLINE=1 $(VENV)/bin/python -m pytest -q --durations=15 --timeout=120 --max-suite-minutes=35 --max-memory-gb=12 tests
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -27,9 +27,10 @@ import time  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-# The suite's time and memory budget (--max-test-seconds, --max-suite-minutes), as a
-# plugin: its hooks see every test and fixture, the session's included.
-pytest_plugins = ["suite_budget"]
+# As plugins, whose hooks see every test and fixture, the session's included: the suite's
+# time and memory budget (--max-suite-minutes, --max-memory-gb), and what a run needs
+# before it starts and skipped on this machine.
+pytest_plugins = ["suite_budget", "run_checks"]
 
 # scripts/device_check.sh gives the GPU tests a time budget on a lent GPU: past this moment
 # (seconds since the epoch) tests are skipped instead of started, so its log and JUnit XML
@@ -186,7 +187,7 @@ def ray_cluster():
     Serve's HTTP proxy listens on 127.0.0.1:SERVE_HTTP_PORT, its gRPC proxy on
     SERVE_GRPC_PORT. tests/test_multinode.py, which runs last, stops it for a cluster
     of its own."""
-    ray = pytest.importorskip("ray")
+    import ray
     from ray import serve
 
     from deployments.app import GRPC_SERVICER

@@ -1,13 +1,16 @@
 """The suite's time and memory, watched while it runs (a plugin conftest.py loads).
 
 CI gives a stop 90 minutes on 2 cores, and the suite used to grow by minutes with each
-feature until it neared that. So `make test` passes --max-test-seconds and
---max-suite-minutes: a run fails when one test (its setup, call and teardown, a module
-fixture's start-up included) or the whole run takes longer, and says which. It also
-prints the peak memory of the pytest process and of the machine (sampled every second):
-Ray's memory monitor kills actors past about 95% of the machine, so the suite keeps
-under half of it. --suite-profile PATH writes every test's seconds and memory as JSON,
-and each fixture's set-up, the data behind tests/README.md's tables."""
+feature until it neared that. The guards act while the run goes on:
+- one test (its setup, call and teardown, a module fixture's start-up included) is
+  stopped at pytest-timeout's --timeout, which `make test` passes, and named;
+- past --max-suite-minutes no further test starts: the run ends there and says so;
+- past --max-memory-gb of the machine in use (sampled every second) the run fails and
+  names the test it peaked in: Ray's memory monitor kills actors past about 95% of the
+  machine, so the suite keeps under half of it.
+Every run prints the peak memory of the pytest process and of the machine.
+--suite-profile PATH writes every test's seconds and memory as JSON, and each fixture's
+set-up, the data behind tests/README.md's tables."""
 
 import json
 import threading
@@ -42,8 +45,8 @@ class FixtureCost:
 
 class Budget:
     def __init__(self, config: pytest.Config):
-        self.max_test_s: float | None = config.getoption("max_test_seconds")
         self.max_suite_min: float | None = config.getoption("max_suite_minutes")
+        self.max_memory_gb: float | None = config.getoption("max_memory_gb")
         self.profile_path: str | None = config.getoption("suite_profile")
         self.started = time.monotonic()
         self.costs: dict[str, TestCost] = {}
@@ -83,24 +86,27 @@ class Budget:
 
     def problems(self) -> list[str]:
         found = []
-        if self.max_test_s is not None:
-            found += [
-                f"{c.nodeid} took {c.seconds:.0f} s (setup {c.setup_s:.0f} s), "
-                f"over --max-test-seconds={self.max_test_s:g}"
-                for c in sorted(self.costs.values(), key=lambda c: -c.seconds)
-                if c.seconds > self.max_test_s
-            ]
-        elapsed_min = (time.monotonic() - self.started) / 60
-        if self.max_suite_min is not None and elapsed_min > self.max_suite_min:
+        if self.out_of_time():
             found.append(
-                f"the run took {elapsed_min:.1f} min, over --max-suite-minutes={self.max_suite_min:g}"
+                f"the run took {self.elapsed_min():.1f} min, over --max-suite-minutes={self.max_suite_min:g}"
+            )
+        if self.max_memory_gb is not None and self.peak_used_gb > self.max_memory_gb:
+            found.append(
+                f"the machine had {self.peak_used_gb:.1f} GB in use during {self.peak_used_during}, "
+                f"over --max-memory-gb={self.max_memory_gb:g}"
             )
         return found
+
+    def elapsed_min(self) -> float:
+        return (time.monotonic() - self.started) / 60
+
+    def out_of_time(self) -> bool:
+        return self.max_suite_min is not None and self.elapsed_min() > self.max_suite_min
 
     def summary(self) -> list[str]:
         total = psutil.virtual_memory().total / GB
         return [
-            f"{len(self.costs)} tests in {(time.monotonic() - self.started) / 60:.1f} min",
+            f"{len(self.costs)} tests in {self.elapsed_min():.1f} min",
             f"peak RSS of the pytest process: {self.peak_rss_gb:.1f} GB",
             f"peak memory in use on the machine: {self.peak_used_gb:.1f} of {total:.1f} GB "
             f"(during {self.peak_used_during})",
@@ -124,8 +130,12 @@ def machine_used_gb() -> float:
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("suite budget")
-    group.addoption("--max-test-seconds", type=float, default=None, help="fail the run past this per test")
-    group.addoption("--max-suite-minutes", type=float, default=None, help="fail the run past this in all")
+    group.addoption(
+        "--max-suite-minutes", type=float, default=None, help="start no test past this; the run fails"
+    )
+    group.addoption(
+        "--max-memory-gb", type=float, default=None, help="fail the run if the machine's use passes this"
+    )
     group.addoption("--suite-profile", default=None, help="write each test's seconds and memory here (JSON)")
 
 
@@ -139,6 +149,16 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_runtest_logstart(nodeid, location) -> None:
     _budget.start(nodeid)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if _budget.out_of_time():
+        pytest.exit(
+            f"over --max-suite-minutes={_budget.max_suite_min:g}: {item.nodeid} and the tests after it "
+            "did not run",
+            returncode=pytest.ExitCode.TESTS_FAILED,
+        )
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

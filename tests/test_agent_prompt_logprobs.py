@@ -97,7 +97,8 @@ def test_engine_prompt_logprobs_across_chunks_and_preemption(model_path, hf_mode
 
 @pytest.fixture(scope="module")
 def client(agent_app):
-    openai = pytest.importorskip("openai")
+    import openai
+
     return openai.OpenAI(base_url=f"{agent_app}/v1", api_key="unused", max_retries=0)
 
 

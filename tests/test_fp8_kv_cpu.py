@@ -16,12 +16,8 @@ from transformers import AutoModelForCausalLM
 from kvserve import LLM, SamplingParams
 from replica.attention import ForwardContext, build_metadata, forward_context
 from replica.attention.torch_backend import kv_cache_shape, torch_paged_attention, write_kv
-from replica.cpu import build, ops
+from replica.cpu import ops
 from replica.kv_quant import FP8_MAX, KVScale, quantize_kv
-
-pytestmark = pytest.mark.skipif(
-    build.compiler() is None, reason="no C compiler: the CPU kernels cannot be built"
-)
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 # Against the torch backend, which attends the same dequantized keys and values (in bf16

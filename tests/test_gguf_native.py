@@ -14,6 +14,7 @@
 
 import ctypes
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -29,7 +30,6 @@ from replica.cpu.abi import GroupWeight
 from replica.cpu.build import load_library
 from replica.cpu.group_quant import GroupQuantWeight, TorchInt4Weight
 
-gguf = pytest.importorskip("gguf", reason="gguf-py reads GGUF files (a transformers extra)")
 needs_kernels = pytest.mark.skipif(
     not group_quant.group_gemm_available(), reason="gemm_group.c needs AVX2, FMA and F16C"
 )

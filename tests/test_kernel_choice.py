@@ -13,13 +13,10 @@ from transformers import AutoModelForCausalLM
 
 from kvserve import LLM, SamplingParams
 from replica.config import EngineConfig
-from replica.cpu import build, kernel_choice, linear_kernels
+from replica.cpu import kernel_choice, linear_kernels
 from replica.cpu.kernel_choice import KernelChooser, LinearChoice, LinearShape, buckets_up_to, fastest
 from replica.cpu.layers import PackedLinear
 
-pytestmark = pytest.mark.skipif(
-    build.compiler() is None, reason="no C compiler: the CPU kernels cannot be built"
-)
 RUNNABLE_FP32 = [k for k in linear_kernels.LINEAR_KERNELS if linear_kernels.can_run(k, torch.float32, 64)]
 
 

@@ -15,10 +15,6 @@ from bench.compressed_checkpoint import save_compressed
 from kvserve import LLM, SamplingParams
 from replica.model_loader import ModelNotFoundError
 
-compressed_tensors = pytest.importorskip(
-    "compressed_tensors", reason="compressed-tensors is a dev dependency"
-)
-
 
 @pytest.fixture
 def tiny(tmp_path, tokenizer, monkeypatch):
