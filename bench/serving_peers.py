@@ -42,8 +42,8 @@ from bench.plots import plot_serving_peers
 from bench.servers import VLLM_ENV, Server, kvserve_command, llama_server_command, vllm_command
 from bench.vllm_bench_serve import bench_serve
 from kvserve import LLM, SamplingParams
+from replica.model_files import sampling_defaults
 from replica.model_loader import BUNDLED_NAME, bundled_gguf_path, resolve_model
-from router.model_files import sampling_defaults
 
 PORT = 18600
 

@@ -10,6 +10,7 @@ any other. The copies each step needs are taken with take_copies.
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvcache.block_math import cdiv
 from kvcache.block_pool import Block, BlockPool
 from kvcache.hashing import ROOT_HASH, hash_block, hash_full_blocks
 from kvcache.host_tier import HostTier, KVCopies
@@ -55,10 +56,6 @@ class _RequestBlocks:
     blocks: list[Block] = field(default_factory=list)
     # Chained hashes of the blocks already published to the prefix cache.
     hashes: list[bytes] = field(default_factory=list)
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class KVCacheManager:

@@ -7,7 +7,7 @@ from tqdm.auto import tqdm
 from replica.chat_template import Message, chat_prompt_ids, default_chat_template, load_chat_template
 from replica.config import EngineConfig
 from replica.engine import Engine
-from router.model_files import sampling_defaults
+from replica.model_files import sampling_defaults
 from wire.lora_request import LoRARequest
 from wire.outputs import RequestOutput, merge_samples
 from wire.sampling_params import SamplingParams

@@ -27,7 +27,8 @@ import bisect
 from dataclasses import dataclass, field
 
 from kvcache import KVCacheManager
-from kvcache.kv_manager import CachedPrefix, cdiv
+from kvcache.block_math import cdiv
+from kvcache.kv_manager import CachedPrefix
 from replica.lora.slots import LoRASlots
 from replica.request import FinishReason, Request, RequestStatus
 from replica.request_queue import FCFSQueue, PriorityQueue

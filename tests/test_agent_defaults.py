@@ -13,10 +13,10 @@ from conftest import AGENT_APP, SERVE_GRPC_PORT
 from transformers import AutoTokenizer
 
 from replica.chat_template import BUNDLED_CHAT_TEMPLATE, chat_prompt_ids, load_chat_template
+from replica.model_files import sampling_defaults
 from replica.model_loader import bundled_tokenizer_path, resolve_model
 from router.api.protos import kvserve_pb2 as pb
 from router.api.protos import kvserve_pb2_grpc as pb_grpc
-from router.model_files import sampling_defaults
 
 MODEL = "SmolLM2-135M-Instruct"
 ADD = {

@@ -29,7 +29,7 @@ def test_the_ingress_modules_import_without_torch():
 LOAD_TOKENIZER = """
 import json, sys
 from pathlib import Path
-from router.model_files import load_tokenizer, model_limits
+from replica.model_files import load_tokenizer, model_limits
 path = Path(sys.argv[1])
 ids = load_tokenizer(path).apply_chat_template(CHAT, add_generation_prompt=True)["input_ids"]
 print(json.dumps({"torch": "torch" in sys.modules, "vocab_size": model_limits(path).vocab_size, "ids": ids}))
@@ -38,7 +38,7 @@ CHAT = [{"role": "user", "content": "hi"}]
 
 
 def test_the_ingress_loads_its_tokenizer_without_torch(model_path):
-    """What the ingress loads at start-up (router/model_files.py) keeps torch out too,
+    """What the ingress loads at start-up (replica/model_files.py) keeps torch out too,
     and gives what transformers' auto classes give."""
     script = f"CHAT = {CHAT!r}\n{LOAD_TOKENIZER}"
     result = subprocess.run(

@@ -21,8 +21,8 @@ from hypothesis.stateful import invariant, rule
 from test_scheduler_properties import SchedulerMachine, complete_step
 
 from kvcache import KVCacheManager, hash_full_blocks
+from kvcache.block_math import cdiv
 from kvcache.host_tier import HostTier, KVCopies
-from kvcache.kv_manager import cdiv
 from replica.attention import load_backend
 from replica.kv_offload import HostKVCache
 from replica.kv_sizing import KVCacheLayout

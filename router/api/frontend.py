@@ -177,7 +177,7 @@ class FrontEnd:
     ):
         """adapters: the LoRA adapters requests may name as their model; None: none.
         sampling_defaults: SamplingParams fields for what a request leaves unset (the
-        model's generation config, router/model_files.py)."""
+        model's generation config, replica/model_files.py)."""
         self.replicas, self.metrics, self.model_name = replicas, metrics, model_name
         self.adapters = adapters or Adapters(None, model_name, {}, None)
         self.max_migrations = max_migrations

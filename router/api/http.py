@@ -13,6 +13,7 @@ from ray import serve
 from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 
+from replica.model_files import load_tokenizer, model_limits, sampling_defaults
 from replica.model_loader import is_hub_id, resolve_model
 from replica.versions import check_versions
 from router.api import anthropic, responses
@@ -39,7 +40,6 @@ from router.api.responses_renderer import ResponsesRenderer
 from router.generation import DEFAULT_MAX_MIGRATIONS, APIError
 from router.lora_adapters import Adapters, LoRASettings
 from router.metrics import ServingMetrics
-from router.model_files import load_tokenizer, model_limits, sampling_defaults
 from router.placement.coordinator import get_coordinator
 from router.placement.replica_groups import ReplicaGroups
 from wire.messages import GenerateRequest, ReplicaReport

@@ -58,8 +58,8 @@ from dataclasses import dataclass, field
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from kvcache.block_math import cdiv
 from kvcache.hashing import ROOT_HASH, hash_full_blocks
-from kvcache.kv_manager import cdiv
 from router.placement.coordinator import follow_snapshots
 from wire.lora_request import LoRARequest
 from wire.messages import GenerateRequest, ReplicaReport

@@ -1,5 +1,6 @@
 """What the ingress reads of a model: its tokenizer, two limits from its config, and the
-sampling defaults of its generation config.
+sampling defaults of its generation config, which the offline API (replica/llm.py) reads
+too. One of replica's torch-free helpers that the ingress may import (docs/architecture.md).
 
 Read without torch: transformers' auto classes import every model config module, and
 those import torch, which would load it into every ingress replica only to tokenize. A
