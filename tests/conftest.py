@@ -28,8 +28,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 # The suite's time and memory budget (--max-test-seconds, --max-suite-minutes), as a
-# plugin: its hooks see every test and fixture, the session's included.
-pytest_plugins = ["suite_budget"]
+# plugin: its hooks see every test and fixture, the session's included. Then hypothesis's
+# profile: derandomized where CI is set, random locally (tests/hypothesis_profile.py).
+pytest_plugins = ["suite_budget", "hypothesis_profile"]
 
 # scripts/device_check.sh gives the GPU tests a time budget on a lent GPU: past this moment
 # (seconds since the epoch) tests are skipped instead of started, so its log and JUnit XML
