@@ -28,9 +28,10 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 # As plugins, whose hooks see every test and fixture, the session's included: the suite's
-# time and memory budget (--max-suite-minutes, --max-memory-gb), and what a run needs
-# before it starts and skipped on this machine.
-pytest_plugins = ["suite_budget", "run_checks"]
+# time and memory budget (--max-suite-minutes, --max-memory-gb), what a run needs before
+# it starts and what it skipped on this machine, and hypothesis's profile: derandomized
+# where CI is set, random locally (tests/hypothesis_profile.py).
+pytest_plugins = ["suite_budget", "run_checks", "hypothesis_profile"]
 
 # scripts/device_check.sh gives the GPU tests a time budget on a lent GPU: past this moment
 # (seconds since the epoch) tests are skipped instead of started, so its log and JUnit XML

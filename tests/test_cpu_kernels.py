@@ -230,6 +230,63 @@ def test_argmax_matches_torch_including_ties(dtype):
     assert torch.equal(ops.argmax(x), torch.argmax(x, dim=-1))
 
 
+# The sampling kernel (replica/cpu/sampling.c) draws by inverse CDF: the first token whose
+# running sum of weights exceeds draw x total, walked in vocabulary order, or by rank
+# among a filtered row's kept tokens. Its float32 rounding moves the CDF's edges from
+# where float64 puts them; these are first-order bounds on how far, in units of float32's
+# rounding, 2^-24. They are bounds, not statistics: a check that fails with them is a
+# kernel (or a bound) that is wrong, whatever the seed.
+ULP = 2.0**-24
+# Each weight exp((x - max) / T) is off by at most 4 |x - max| / T + 4 ulps of itself:
+# four roundings of the exponent (x - max, T, 1 / T, their product), then exp_clamped's
+# 2 ulp of the result (4 of 2^-24); |x - max| / T <= 87, below which weights are 0.
+WEIGHT_ULPS = 4 * 87 + 4
+# Weights off by a relative r move a normalised edge by at most r / 2. A filtered row
+# sums its kept weights in float64, so only the weights move its edges: 1.05e-5.
+FILTERED_EDGE = WEIGHT_ULPS / 2 * ULP
+# Two weights trade ranks, or one its side of min_p x the top weight, only within the
+# error of both (and of min_p in float32): 4.2e-5 of the weight.
+TIE = (2 * WEIGHT_ULPS + 2) * ULP
+
+
+def walk_edge(vocab: int) -> float:
+    """How far the unfiltered walk can move an edge, as a fraction of the total: it sums
+    each 64-token chunk (at most 63 roundings), then adds the chunk sums one by one and at
+    most 64 weights after them, so its running sum carries at most chunks + 127 ulps of
+    the total, and draw x total chunks + 64; the weights add WEIGHT_ULPS / 2. 2.4e-5 at
+    vocabulary 1000, 1.1e-4 at 49157."""
+    return (2 * math.ceil(vocab / 64) + 191 + WEIGHT_ULPS / 2) * ULP
+
+
+def inverse_cdf_miss(position: int, probs: torch.Tensor, draw: float, eps: float) -> str | None:
+    """Why picking `position` of probs (float64, in the order the walk takes them) is not
+    inverse-CDF sampling of `draw` with edges moved by up to eps; None when it is.
+
+    The exact pick, e, is the position whose interval [lo, hi) of the normalised CDF
+    holds the draw. Another position, t, is a near tie only if the draw lies within eps
+    of e's edge on t's side and t's own interval reaches to within eps of the draw: t is
+    the next position with probability across that edge, past at most eps of mass
+    (positions without probability have empty intervals, and rounding steps over
+    intervals narrower than itself)."""
+    hi = probs.cumsum(0) / probs.sum()
+    lo = hi - probs / probs.sum()
+    exact = min(int(torch.searchsorted(hi, torch.tensor([draw], dtype=hi.dtype), right=True)), len(probs) - 1)
+    if position == exact:
+        return None
+    if not probs[position] > 0:
+        return f"{position} has no probability; the draw {draw} picks {exact}"
+    if position > exact:
+        edge, reach = hi[exact] - draw, lo[position] - draw
+    else:
+        edge, reach = draw - lo[exact], draw - hi[position]
+    if edge >= eps:
+        return f"the draw {draw} lies {edge:.3g} inside {exact}'s interval [{lo[exact]:.8f}, {hi[exact]:.8f})"
+    if reach >= eps:
+        interval = f"[{lo[position]:.8f}, {hi[position]:.8f})"
+        return f"{position}'s interval {interval} is {reach:.3g} from the draw {draw}"
+    return None
+
+
 @settings(max_examples=30, deadline=None)
 @given(
     seed=st.integers(0, 2**16),
@@ -238,8 +295,9 @@ def test_argmax_matches_torch_including_ties(dtype):
     bf16=st.booleans(),
 )
 def test_sample_draws_what_the_torch_inverse_cdf_draws(seed, vocab, temperature, bf16):
-    """The same draw picks the same token as softmax, cumsum and searchsorted, except
-    where the draw lands within float rounding of a boundary between two tokens."""
+    """The same draw picks the same token as softmax and cumsum in float64, or, where the
+    draw lies within float32 rounding (walk_edge) of that token's edge, the token across
+    it."""
     g = torch.Generator().manual_seed(seed)
     logits = (torch.randn(6, vocab, generator=g) * 4).to(torch.bfloat16 if bf16 else torch.float32)
     draws = torch.rand(6, 1, generator=g)
@@ -247,19 +305,17 @@ def test_sample_draws_what_the_torch_inverse_cdf_draws(seed, vocab, temperature,
     if temperature == 0:
         assert torch.equal(tokens, logits.float().argmax(-1))
         return
-    cdf = torch.softmax(logits.double() / temperature, dim=-1).cumsum(-1)
-    expected = torch.searchsorted(cdf, draws.double() * cdf[:, -1:], right=True)[:, 0].clamp_max(vocab - 1)
+    probs = torch.softmax(logits.double() / temperature, dim=-1)
     for row in range(6):
-        if tokens[row] != expected[row]:  # only at a boundary: the draw sits on an edge of either token
-            edges = torch.cat([torch.zeros(1, dtype=torch.double), cdf[row]])
-            near = (edges - draws[row].double()).abs().min()
-            assert near < 1e-4, (row, tokens[row].item(), expected[row].item())
+        miss = inverse_cdf_miss(int(tokens[row]), probs[row], draws[row].item(), walk_edge(vocab))
+        assert miss is None, (row, miss)
 
 
 def test_sample_never_picks_a_token_without_probability():
     logits = torch.full((4000, 100), -1e4)
     logits[:, [3, 50, 99]] = torch.tensor([1.0, 0.0, 2.0])
-    for draws in (torch.rand(4000, 1), torch.zeros(4000, 1), torch.full((4000, 1), 1 - 2**-24)):
+    uniform = torch.rand(4000, 1, generator=torch.Generator().manual_seed(0))
+    for draws in (uniform, torch.zeros(4000, 1), torch.full((4000, 1), 1 - 2**-24)):
         assert set(ops.sample(logits, torch.ones(4000), draws).tolist()) <= {3, 50, 99}
 
 
@@ -275,6 +331,44 @@ def _kept_by_rank(probs: torch.Tensor, top_k: int, top_p: float, min_p: float) -
         kept.append(i)
         before += p
     return kept
+
+
+def _kept_count(ranked: torch.Tensor, top_k: int, top_p: float, min_p: float) -> int:
+    """len(_kept_by_rank(...)) for probabilities already ranked, in one pass of torch ops."""
+    before = ranked.cumsum(0) - ranked
+    keep = (torch.arange(len(ranked)) < top_k) & (before < top_p) & (ranked >= min_p * ranked[0])
+    keep &= ranked > 0
+    keep[0] = ranked[0] > 0
+    return int(keep.long().cumprod(0).sum())
+
+
+def filtered_miss(token: int, probs: torch.Tensor, draw: float, top_k: int, top_p: float, min_p: float):
+    """Why `token` is not what the kernel's filtered walk can pick for `draw` from probs
+    (a row's float64 softmax), or None when it is. The walk ranks the tokens (probability,
+    then index), keeps a prefix (_kept_by_rank) and picks by inverse CDF along it.
+    Rounding may keep one token more or fewer where the mass before it lies within the
+    rounding of the total of top_p, or its weight within TIE of min_p x the top one, and
+    may rank two tokens the other way where their weights lie within TIE of each other:
+    so each prefix those allow is tried, with the token in its own place or in that of a
+    token it ties with (which moves its interval by at most TIE of their weights)."""
+    order = torch.sort(-probs, stable=True).indices
+    ranked = probs[order]
+    # The kernel compares the mass before a token with top_p x its float32 total (no
+    # limit at top_p 1): the total's summation adds chunks + 63 ulps to the weights' error.
+    p_margin = (math.ceil(len(probs) / 64) + 64 + WEIGHT_ULPS / 2) * ULP if top_p < 1 else 0.0
+    fewest = _kept_count(ranked, top_k, top_p - p_margin, min_p * (1 + TIE))
+    most = _kept_count(ranked, top_k, top_p + p_margin, min_p * (1 - TIE))
+    places = ((ranked - probs[token]).abs() <= TIE * probs[token]).nonzero()[:, 0].tolist()
+    misses = []
+    exact = _kept_count(ranked, top_k, top_p, min_p)  # first: where nothing lies near a boundary
+    for count in [exact, *(c for c in range(fewest, most + 1) if c != exact)]:
+        swap = (len(places) - 1) * TIE * float(probs[token] / ranked[:count].sum())
+        for place in (p for p in places if p < count):
+            miss = inverse_cdf_miss(place, ranked[:count], draw, FILTERED_EDGE + swap)
+            if miss is None:
+                return None
+            misses.append(f"at rank {place} of {count} kept: {miss}")
+    return f"token {token}: " + ("; ".join(misses) or f"not among the {most} kept at most")
 
 
 # (top_k with 0 for none, top_p, min_p)
@@ -294,7 +388,8 @@ FILTERS = st.tuples(
 )
 def test_filtered_sample_draws_by_rank_among_the_kept_tokens(seed, vocab, temperature, filters):
     """The same draw picks the same token as walking the kept tokens by rank in float64,
-    except where the draw, or top_p, lands within float rounding of an edge."""
+    or one that float32 rounding can put in its place (filtered_miss); a row that
+    filters nothing walks the vocabulary (walk_edge)."""
     top_k, top_p, min_p = filters
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(6, vocab, generator=g) * 4
@@ -305,12 +400,51 @@ def test_filtered_sample_draws_by_rank_among_the_kept_tokens(seed, vocab, temper
     )  # fmt: skip
     probs = torch.softmax(logits.double() / temperature, dim=-1)
     for row in range(6):
-        kept = _kept_by_rank(probs[row], top_k or vocab, top_p, min_p)
-        mass = probs[row][kept].cumsum(0)
-        rank = torch.searchsorted(mass, draws[row].double() * mass[-1], right=True).clamp_max(len(kept) - 1)
-        if tokens[row] != kept[int(rank)]:
-            edges = torch.cat([torch.zeros(1, dtype=torch.double), mass / mass[-1]])
-            assert (edges - draws[row].double()).abs().min() < 1e-4 or (mass - top_p).abs().min() < 1e-5, row
+        token, draw = int(tokens[row]), draws[row].item()
+        if (top_k or vocab) >= vocab and top_p == 1.0 and min_p == 0.0:
+            miss = inverse_cdf_miss(token, probs[row], draw, walk_edge(vocab))
+        else:
+            miss = filtered_miss(token, probs[row], draw, top_k or vocab, top_p, min_p)
+        assert miss is None, (row, miss)
+
+
+def test_the_near_tie_checks_reject_a_wrong_token():
+    """The rounding allowance names the one edge the draw is near: a token across another
+    edge, or past its neighbour's interval, is wrong however narrow the intervals are.
+    At vocabulary 49157 and temperature 2 about 70% of draws lie within 1e-4 of some
+    edge, where an allowance for any edge would pass any token."""
+    probs = torch.tensor([0.1, 0.2, 0.0, 0.3, 0.4], dtype=torch.double)  # edges 0.1, 0.3, 0.3, 0.6
+    eps = 1e-4
+    for position, draw in [(3, 0.45), (1, 0.3 + 5e-5), (3, 0.3 - 5e-5), (4, 0.6 - 5e-5), (0, 0.1 + 5e-5)]:
+        assert inverse_cdf_miss(position, probs, draw, eps) is None, (position, draw)
+    # Across the other edge, onto the empty interval, past the neighbour, or beyond eps.
+    wrong = [(1, 0.45), (4, 0.45), (2, 0.30005), (0, 0.30005), (4, 0.30005), (1, 0.3002), (4, 0.5998)]
+    for position, draw in wrong:
+        assert inverse_cdf_miss(position, probs, draw, eps) is not None, (position, draw)
+
+    # The kernel's own picks at a large vocabulary, for a draw within 1e-4 of some edge,
+    # and tokens a chunk of 64 away (what a walk that miscounted chunks would give), then
+    # 64 ranks away or outside the kept ones.
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(8, 49157, generator=g) * 4
+    draws = torch.rand(8, 1, generator=g)
+    probs = torch.softmax(logits.double() / 2, dim=-1)
+    edges = torch.cat([torch.zeros(8, 1, dtype=torch.double), probs.cumsum(-1)], dim=-1)
+    row = next(r for r in range(8) if (edges[r] - draws[r].item()).abs().min() < 1e-4)
+    p, draw = probs[row], draws[row].item()
+    token = int(ops.sample(logits[row : row + 1], torch.tensor([2.0]), draws[row : row + 1]))
+    assert inverse_cdf_miss(token, p, draw, walk_edge(49157)) is None
+    for planted in (token - 64, token + 64):
+        assert inverse_cdf_miss(planted, p, draw, walk_edge(49157)) is not None, planted
+
+    top_p = 0.95
+    one = (logits[row : row + 1], torch.tensor([2.0]), draws[row : row + 1])
+    token = int(ops.sample(*one, None, torch.tensor([top_p])))
+    assert filtered_miss(token, p, draw, 49157, top_p, 0.0) is None
+    order = torch.sort(-p, stable=True).indices.tolist()
+    kept, rank = _kept_count(p[order], 49157, top_p, 0.0), order.index(token)
+    for planted in (order[max(rank - 64, 0)], order[min(rank + 64, kept - 1)], order[kept + 10]):
+        assert filtered_miss(planted, p, draw, 49157, top_p, 0.0) is not None, planted
 
 
 @settings(max_examples=60, deadline=None)

@@ -42,6 +42,25 @@ def _logits(rows: int, seed: int = 0):
     return torch.randn(rows, V, generator=torch.Generator().manual_seed(seed))
 
 
+@pytest.fixture
+def seeded():
+    """Rows without a seed of their own draw from torch's global generator: seeded for
+    the test and given back after it, so that a test of what sampling draws draws the
+    same every run. Each such test states its chance of failing a correct sampler with
+    another seed (exact binomial tails, added over its tokens)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        yield
+
+
+def _assert_frequencies(tokens: torch.Tensor, expected: torch.Tensor, atol: float = 0.03) -> None:
+    """No token outside expected's support, and every token's frequency within atol of
+    its probability."""
+    assert set(tokens.unique().tolist()) <= set(expected.nonzero()[:, 0].tolist())
+    freq = torch.bincount(tokens, minlength=V).double() / len(tokens)
+    assert (freq - expected).abs().max() <= atol, (freq[:6], expected[:6])
+
+
 @pytest.mark.parametrize("fused_sample", PATHS)
 def test_greedy_is_argmax(fused_sample):
     logits = _logits(4)
@@ -61,7 +80,8 @@ def test_top_k_1_and_tiny_top_p_are_greedy(fused_sample):
 
 
 @pytest.mark.parametrize("fused_sample", PATHS)
-def test_top_k_restricts_support(fused_sample):
+def test_top_k_restricts_support(fused_sample, seeded):
+    # One token in all 200 draws: sum of p^200 over the three kept tokens, 1.5e-71.
     logits = _logits(1, seed=2).repeat(200, 1)
     batch, _ = _batch([SamplingParams(temperature=2.0, top_k=3)] * 200)
     allowed = set(logits[0].topk(3).indices.tolist())
@@ -70,7 +90,8 @@ def test_top_k_restricts_support(fused_sample):
 
 
 @pytest.mark.parametrize("fused_sample", PATHS)
-def test_min_p_restricts_support(fused_sample):
+def test_min_p_restricts_support(fused_sample, seeded):
+    # Token 8 (p = 0.38 of the kept two) missing from all 300 draws: 0.62^300, 2e-62.
     logits = torch.full((300, V), -10.0)
     logits[:, 7] = 5.0
     logits[:, 8] = 4.5  # p ~ 0.38, kept by min_p=0.3 relative to the top token
@@ -80,30 +101,33 @@ def test_min_p_restricts_support(fused_sample):
 
 
 @pytest.mark.parametrize("fused_sample", PATHS)
-def test_seeded_rows_are_reproducible_whatever_the_batch(fused_sample):
+def test_seeded_rows_are_reproducible_whatever_the_batch(fused_sample, seeded):
     logits = _logits(1, seed=3)
     p = SamplingParams(temperature=1.0, seed=123)
+    steps = 10  # one token in all 10 draws: sum of p^10 over the 50, 3.5e-10 for another seed
     alone, _ = _batch([p], seeds={0: 123})
-    first = [_tokens(logits, alone, fused_sample)[0] for _ in range(5)]
+    first = [_tokens(logits, alone, fused_sample)[0] for _ in range(steps)]
     again, _ = _batch([p], seeds={0: 123})
-    second = [_tokens(logits, again, fused_sample)[0] for _ in range(5)]
+    second = [_tokens(logits, again, fused_sample)[0] for _ in range(steps)]
     mixed, _ = _batch([SamplingParams(temperature=1.0), p], seeds={1: 123})
-    third = [_tokens(logits.repeat(2, 1), mixed, fused_sample)[1] for _ in range(5)]
+    third = [_tokens(logits.repeat(2, 1), mixed, fused_sample)[1] for _ in range(steps)]
     # A top-p neighbour changes what the batch filters; the seeded row draws the same.
     with_top_p, _ = _batch([SamplingParams(temperature=1.0, top_p=0.5), p], seeds={1: 123})
-    fourth = [_tokens(logits.repeat(2, 1), with_top_p, fused_sample)[1] for _ in range(5)]
+    fourth = [_tokens(logits.repeat(2, 1), with_top_p, fused_sample)[1] for _ in range(steps)]
     assert first == second == third == fourth
     assert len(set(first)) > 1
 
 
 @pytest.mark.parametrize("fused_sample", PATHS)
-def test_sampling_follows_the_distribution(fused_sample):
-    probs = torch.tensor([0.6, 0.3, 0.1] + [0.0] * (V - 3))
-    logits = probs.clamp_min(1e-30).log().repeat(4000, 1)
-    batch, _ = _batch([SamplingParams(temperature=1.0)] * 4000)
-    tokens = torch.tensor(_tokens(logits, batch, fused_sample))
-    freq = torch.bincount(tokens, minlength=V)[:3].float() / 4000
-    assert torch.allclose(freq, probs[:3], atol=0.03)
+def test_sampling_follows_the_distribution(fused_sample, seeded):
+    """8000 draws: a frequency's binomial sd is at most sqrt(0.6 x 0.4 / 8000) = 0.0055,
+    so atol 0.03 is 5.5 sd. A correct sampler fails with another seed with probability
+    4.5e-8 (exact binomial tails of the three tokens, added); with 4000 draws, 1.4e-4."""
+    draws = 8000
+    probs = torch.tensor([0.6, 0.3, 0.1] + [0.0] * (V - 3), dtype=torch.double)
+    logits = probs.float().clamp_min(1e-30).log().repeat(draws, 1)
+    batch, _ = _batch([SamplingParams(temperature=1.0)] * draws)
+    _assert_frequencies(torch.tensor(_tokens(logits, batch, fused_sample)), probs)
 
 
 def test_penalties_discourage_repeats():
@@ -202,7 +226,8 @@ def test_candidates_keep_what_sorting_the_vocabulary_keeps(data):
     tokens _filtered_probs (which sorts the whole vocabulary) keeps, with its probabilities;
     filtered_probs, which verification reads, is its distribution whole and normalised.
     Ties at the boundary may keep a different one of equal tokens, so the probabilities
-    are compared as sorted lists, and the ids only where no two logits are equal."""
+    are compared as sorted lists, and the ids only where no two probabilities are equal
+    (logits 0 and 5e-15 differ, their float32 probabilities do not)."""
     vocab = data.draw(st.integers(2, 40), label="vocab")
     values = st.floats(-8, 8, allow_nan=False) | st.sampled_from([-1.0, 0.0, 2.5])  # ties too
     logits = torch.tensor(data.draw(st.lists(values, min_size=vocab, max_size=vocab)))[None, :]
@@ -212,7 +237,7 @@ def test_candidates_keep_what_sorting_the_vocabulary_keeps(data):
     k = data.draw(st.integers(1, vocab), label="k")
     batch = _filters(1, vocab, top_k or vocab, top_p, min_p)
     reference = _filtered_probs(logits, batch)[0]
-    ties = len(set(logits[0].tolist())) < vocab
+    ties = len(set(logits.softmax(dim=-1)[0].tolist())) < vocab
 
     # Verification's whole distribution, through candidates of any sizes or the vocabulary.
     candidates = tuple(sorted(data.draw(st.lists(st.integers(1, vocab), max_size=2), label="candidates")))
@@ -240,7 +265,7 @@ def test_candidates_keep_what_sorting_the_vocabulary_keeps(data):
 
 
 @pytest.mark.parametrize("candidates", [sampler.CANDIDATES, (2,), (3, 6)])
-def test_filtered_sampling_follows_the_filtered_distribution(candidates, monkeypatch):
+def test_filtered_sampling_follows_the_filtered_distribution(candidates, monkeypatch, seeded):
     """Drawn through the candidates or, where they do not hold a row's kept tokens, the
     whole vocabulary: each row's tokens follow _filtered_probs, and an unfiltered row in
     the same batch follows its softmax."""
@@ -250,30 +275,32 @@ def test_filtered_sampling_follows_the_filtered_distribution(candidates, monkeyp
 
 @pytest.mark.skipif(build.compiler() is None, reason="no C compiler: the CPU kernels are not built")
 @pytest.mark.parametrize("penalised", [False, True])
-def test_fused_filtered_sampling_follows_the_filtered_distribution(penalised):
+def test_fused_filtered_sampling_follows_the_filtered_distribution(penalised, seeded):
     """The same through the CPU engine's kernel, alone or after penalties (which leave
     these logits as they are: nothing has been generated)."""
     _check_filtered_distribution(cpu_ops.sample, penalised)
 
 
 def _check_filtered_distribution(fused_sample, penalised: bool = False) -> None:
+    """8000 draws of each of the four rows: a frequency's binomial sd is at most
+    sqrt(0.44 x 0.56 / 8000) = 0.0055 (the top_p row's first token), so atol 0.03 is
+    5.4 sd. A correct sampler fails with another seed with probability 1.7e-7 (exact
+    binomial tails of the four rows' 15 kept tokens, added); with 4000 draws, 5.1e-4."""
     penalty = dict(presence_penalty=0.5) if penalised else {}
     probs = torch.tensor([0.35, 0.25, 0.2, 0.1, 0.06, 0.04] + [0.0] * (V - 6))
-    logits = probs.clamp_min(1e-30).log().repeat(4, 1)
     params = [
         SamplingParams(temperature=1.0, top_p=0.75, **penalty),  # keeps 3 tokens
         SamplingParams(temperature=1.0, top_k=4, **penalty),
         SamplingParams(temperature=1.0, min_p=0.2, **penalty),  # keeps 4 (0.06 < 0.2 * 0.35)
         SamplingParams(temperature=1.0, **penalty),
     ]
-    batch, _ = _batch(params)
+    copies, steps = 200, 40  # the four rows 200 times over in a batch, sampled 40 times: 8000 draws each
+    logits = probs.clamp_min(1e-30).log().repeat(len(params) * copies, 1)
+    batch, _ = _batch(params * copies)
     assert (batch.penalties is not None) == penalised
-    draws = 4000
-    tokens = torch.tensor([_tokens(logits, batch, fused_sample) for _ in range(draws)])
+    tokens = torch.tensor([_tokens(logits, batch, fused_sample) for _ in range(steps)]).view(-1, len(params))
     for row, p in enumerate(params):
         one = _filters(1, V, p.top_k or V, p.top_p if p.top_p < 1 else None, p.min_p or None)
-        expected = _filtered_probs(logits[:1], one)[0]
+        expected = _filtered_probs(logits[:1], one)[0].double()
         expected /= expected.sum()  # min_p leaves weights unnormalised
-        freq = torch.bincount(tokens[:, row], minlength=V).float() / draws
-        assert set(freq.nonzero()[:, 0].tolist()) <= set(expected.nonzero()[:, 0].tolist())
-        assert torch.allclose(freq, expected, atol=0.03), (row, freq[:6], expected[:6])
+        _assert_frequencies(tokens[:, row], expected)
