@@ -20,10 +20,6 @@ from replica.cpu import abi, build, linear_kernels, ops
 from replica.cpu.kernel_choice import LinearChoice
 from replica.cpu.layers import PackedLinear, RotaryTable
 
-pytestmark = pytest.mark.skipif(
-    build.compiler() is None, reason="no C compiler: the CPU kernels cannot be built"
-)
-
 # Tolerances against an fp32 reference: bf16 inputs, outputs and probabilities round.
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
 

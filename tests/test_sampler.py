@@ -273,7 +273,6 @@ def test_filtered_sampling_follows_the_filtered_distribution(candidates, monkeyp
     _check_filtered_distribution(None)
 
 
-@pytest.mark.skipif(build.compiler() is None, reason="no C compiler: the CPU kernels are not built")
 @pytest.mark.parametrize("penalised", [False, True])
 def test_fused_filtered_sampling_follows_the_filtered_distribution(penalised, seeded):
     """The same through the CPU engine's kernel, alone or after penalties (which leave
