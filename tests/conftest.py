@@ -15,6 +15,7 @@ os.environ.setdefault("KVSERVE_KERNEL_CACHE", tempfile.mkdtemp(prefix="kvserve-k
 # which inherits the driver's environment.
 os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S", "2")
 
+import asyncio  # noqa: E402
 import contextlib  # noqa: E402
 import ctypes  # noqa: E402
 import gc  # noqa: E402
@@ -314,6 +315,15 @@ def wait_for(condition, timeout_s: float = 30.0, interval_s: float = 0.05) -> No
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(interval_s)
+
+
+async def wait_for_async(condition, timeout_s: float = 30.0, interval_s: float = 0.01) -> None:
+    """wait_for inside an event loop: polls without blocking it, so that the loop's
+    other tasks (a router's snapshot loop, say) run while it waits for their effect."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(interval_s)
 
 
 def undeploy(app: str) -> None:
