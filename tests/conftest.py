@@ -359,6 +359,28 @@ def replica_actor(app: str):
     return ray.get_actor(f"SERVE_REPLICA::{app}#LLMServer#{replica_id}", namespace="serve")
 
 
+def in_ingress(app: str, fn):
+    """fn(the app's OpenAIIngress instance), run in the ingress's process through Ray's
+    __ray_call__ (a developer API, for tests and debugging): what a test must wait for
+    there, such as its handles' queues and routers, Serve keeps to itself. fn must be a
+    lambda or a nested function, which cloudpickle sends by value: that process cannot
+    import test modules (nor this one, whose import starts builds). The way to the
+    instance is Ray 2.60's private attributes; pyproject pins that version."""
+    import ray
+
+    prefix = f"SERVE_REPLICA::{app}#OpenAIIngress#"
+    (name,) = [
+        actor["name"]
+        for actor in ray.util.list_named_actors(all_namespaces=True)
+        if actor["namespace"] == "serve" and actor["name"].startswith(prefix)
+    ]
+
+    def call(replica_actor):
+        return fn(replica_actor._replica_impl._user_callable_wrapper._callable)
+
+    return ray.get(ray.get_actor(name, namespace="serve").__ray_call__.remote(call), timeout=30)
+
+
 def save_random_llama(directory, tokenizer, vocab_size: int = 49152, seed: int = 0):
     """A small seeded random Llama (with the bundled tokenizer when it shares its
     vocabulary) saved where resolve_model finds it: a draft model that proposes noise."""

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 import ray
-from conftest import SERVE_HTTP_PORT, undeploy, wait_for, wait_for_async
+from conftest import SERVE_HTTP_PORT, in_ingress, undeploy, wait_for, wait_for_async
 from ray import serve
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
 from ray.serve.request_router import PendingRequest
@@ -681,23 +681,15 @@ def handle_router(handle) -> KVAwareRouter:
 
 
 def ingress_router_free_blocks() -> dict[str, int]:
-    """free_blocks_seen of the router that places the app's HTTP requests: the ingress's,
-    in its own process, read there through Ray's __ray_call__. Self-contained, so that
-    cloudpickle sends it by value: that process cannot import this module."""
-
-    def free_blocks(replica_actor) -> dict[str, int]:
-        ingress = replica_actor._replica_impl._user_callable_wrapper._callable  # Ray 2.60's
-        router = ingress.llms[0]._router._asyncio_router._request_router
-        assert type(router).__name__ == "KVAwareRouter", router
-        return {replica_id: view.free_blocks for replica_id, view in router._views.items()}
-
-    prefix = f"SERVE_REPLICA::{APP}#OpenAIIngress#"
-    (name,) = [
-        actor["name"]
-        for actor in ray.util.list_named_actors(all_namespaces=True)
-        if actor["namespace"] == "serve" and actor["name"].startswith(prefix)
-    ]
-    return ray.get(ray.get_actor(name, namespace="serve").__ray_call__.remote(free_blocks), timeout=30)
+    """free_blocks_seen of the router that places the app's HTTP requests: the ingress's
+    handle's, in the ingress's process (Ray 2.60's private attributes, as handle_router)."""
+    return in_ingress(
+        APP,
+        lambda ingress: {
+            replica_id: view.free_blocks
+            for replica_id, view in ingress.llms[0]._router._asyncio_router._request_router._views.items()
+        },
+    )
 
 
 def idle() -> bool:
