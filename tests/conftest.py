@@ -15,6 +15,7 @@ os.environ.setdefault("KVSERVE_KERNEL_CACHE", tempfile.mkdtemp(prefix="kvserve-k
 # which inherits the driver's environment.
 os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S", "2")
 
+import asyncio  # noqa: E402
 import contextlib  # noqa: E402
 import ctypes  # noqa: E402
 import gc  # noqa: E402
@@ -318,6 +319,15 @@ def wait_for(condition, timeout_s: float = 30.0, interval_s: float = 0.05) -> No
         time.sleep(interval_s)
 
 
+async def wait_for_async(condition, timeout_s: float = 30.0, interval_s: float = 0.01) -> None:
+    """wait_for inside an event loop: polls without blocking it, so that the loop's
+    other tasks (a router's snapshot loop, say) run while it waits for their effect."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(interval_s)
+
+
 def undeploy(app: str) -> None:
     """Delete a test's Serve app and its coordinator (a detached actor outlives the app).
     Without waiting for the replicas to go: Serve gives each a drain period (2 s) even
@@ -349,6 +359,28 @@ def replica_actor(app: str):
 
     (replica_id,) = coordinator_snapshot(app)
     return ray.get_actor(f"SERVE_REPLICA::{app}#LLMServer#{replica_id}", namespace="serve")
+
+
+def in_ingress(app: str, fn):
+    """fn(the app's OpenAIIngress instance), run in the ingress's process through Ray's
+    __ray_call__ (a developer API, for tests and debugging): what a test must wait for
+    there, such as its handles' queues and routers, Serve keeps to itself. fn must be a
+    lambda or a nested function, which cloudpickle sends by value: that process cannot
+    import test modules (nor this one, whose import starts builds). The way to the
+    instance is Ray 2.60's private attributes; pyproject pins that version."""
+    import ray
+
+    prefix = f"SERVE_REPLICA::{app}#OpenAIIngress#"
+    (name,) = [
+        actor["name"]
+        for actor in ray.util.list_named_actors(all_namespaces=True)
+        if actor["namespace"] == "serve" and actor["name"].startswith(prefix)
+    ]
+
+    def call(replica_actor):
+        return fn(replica_actor._replica_impl._user_callable_wrapper._callable)
+
+    return ray.get(ray.get_actor(name, namespace="serve").__ray_call__.remote(call), timeout=30)
 
 
 def save_random_llama(directory, tokenizer, vocab_size: int = 49152, seed: int = 0):

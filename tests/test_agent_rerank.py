@@ -77,7 +77,10 @@ def replica_stats() -> ReplicaReport:
 
 
 def test_relevant_documents_rank_first(http):
-    ranked_first = 0
+    """docs/serving.md's figure: all 10 of 10. In fp32 the scores differ between machines
+    only by rounding; the closest pair (the freezing point, 0.102 against 0.097 on the
+    Zen 4 EPYC) is 0.005 apart, far more than rounding moves a score."""
+    missed = []
     for query, relevant, unrelated in CASES:
         r = http.post("/v1/rerank", json={"model": MODEL, "query": query, "documents": [unrelated, relevant]})
         assert r.status_code == 200, r.text
@@ -85,8 +88,9 @@ def test_relevant_documents_rank_first(http):
         assert sorted(x["index"] for x in results) == [0, 1]
         assert results[0]["relevance_score"] >= results[1]["relevance_score"]
         assert all(0.0 <= x["relevance_score"] <= 1.0 for x in results)
-        ranked_first += results[0]["index"] == 1
-    assert ranked_first >= 8, f"the relevant document ranked first for only {ranked_first} of 10 queries"
+        if results[0]["index"] != 1:
+            missed.append((query, [(x["index"], round(x["relevance_score"], 4)) for x in results]))
+    assert not missed, f"the relevant document (index 1) did not rank first for {len(missed)} of 10: {missed}"
 
 
 def test_shapes_top_n_and_score_agree_with_rerank(http):

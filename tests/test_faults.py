@@ -6,6 +6,7 @@ import concurrent.futures
 import json
 import os
 import time
+from pathlib import Path
 
 import grpc
 import httpx
@@ -52,25 +53,35 @@ def test_a_replica_killed_mid_stream_ends_the_sse_stream_with_an_error_event(ray
 
 @serve.deployment(max_ongoing_requests=1)
 class DiesAfterItsLastChunk:
-    """A replica that streams a whole answer and dies before it closes the stream."""
+    """A replica that streams a whole answer and dies before it closes the stream: once
+    the client has the answer, which it says by creating the file `delivered`."""
+
+    def __init__(self, delivered: str):
+        self.delivered = Path(delivered)
 
     async def generate(self, request: GenerateRequest):
         yield StreamChunk("r", "dying", 0, " the end", [7], None, "length", 1, 1, 0)
-        await asyncio.sleep(0.5)  # the chunk reaches the router before the actor is gone
+        while not self.delivered.exists():
+            await asyncio.sleep(0.01)
         os._exit(1)
 
 
-def test_a_replica_that_dies_after_the_last_chunk_of_a_stream_loses_nothing(ray_cluster):
+def test_a_replica_that_dies_after_the_last_chunk_of_a_stream_loses_nothing(ray_cluster, tmp_path):
     """The chaos run found it: such a death surfaced as ActorDiedError after the answer
     was whole, and the client got a 503 for it."""
     app = "fault-last-chunk"
-    handle = serve.run(DiesAfterItsLastChunk.bind(), name=app, route_prefix=None)
+    delivered = tmp_path / "delivered"
+    handle = serve.run(DiesAfterItsLastChunk.bind(str(delivered)), name=app, route_prefix=None)
     try:
 
         async def answer() -> list[StreamChunk]:
             request = GenerateRequest(prompt=[1], sampling=SamplingParams(max_tokens=1))
             generation = await start_generation(handle, ServingMetrics(MODEL), request)
-            return [chunk async for chunk in generation.chunks()]
+            chunks = []
+            async for chunk in generation.chunks():
+                chunks.append(chunk)
+                delivered.touch()  # the replica dies now, before it closes the stream
+            return chunks
 
         chunks = asyncio.run(answer())
         assert [(c.text, c.finish_reason) for c in chunks] == [(" the end", "length")]

@@ -8,7 +8,15 @@ import grpc
 import httpx
 import pytest
 import ray
-from conftest import AGENT_APP, SERVE_GRPC_PORT, SERVE_HTTP_PORT, replica_actor, undeploy
+from conftest import (
+    AGENT_APP,
+    SERVE_GRPC_PORT,
+    SERVE_HTTP_PORT,
+    in_ingress,
+    replica_actor,
+    undeploy,
+    wait_for,
+)
 from ray import serve
 
 from deployments.app import build_app
@@ -237,7 +245,14 @@ def test_resource_exhausted_and_unavailable(ray_cluster, model_path):
         first = stub.GenerateStream(long, metadata=meta("grpc-busy"))
         next(first)
         second = stub.GenerateStream(long, metadata=meta("grpc-busy"))
-        time.sleep(1.0)  # let the second one take the only queue slot
+
+        def queued_for_the_replica(ingress) -> int:
+            """What the ingress's handle holds until the replica takes it (Ray 2.60's
+            private attributes). Nested, so that in_ingress can send it by value."""
+            return ingress.llms[0]._router._asyncio_router._metrics_manager.num_queued_requests
+
+        # Until the second waits in the ingress's queue for the replica: its only slot.
+        wait_for(lambda: in_ingress("grpc-busy", queued_for_the_replica) == 1)
         expect_status(
             lambda: stub.Generate(long, metadata=meta("grpc-busy")),
             grpc.StatusCode.RESOURCE_EXHAUSTED,

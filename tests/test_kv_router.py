@@ -2,16 +2,19 @@
 replica owes, then two real replicas behind the router on a local Serve app."""
 
 import asyncio
+import contextlib
+import logging
 import random
 import statistics
 import time
 from dataclasses import replace
+from types import SimpleNamespace
 
 import httpx
 import openai
 import pytest
 import ray
-from conftest import SERVE_HTTP_PORT, undeploy, wait_for
+from conftest import SERVE_HTTP_PORT, in_ingress, undeploy, wait_for, wait_for_async
 from ray import serve
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
 from ray.serve.request_router import PendingRequest
@@ -440,7 +443,11 @@ def test_reports_are_dated_by_age_so_clock_skew_between_nodes_does_not_matter(ra
     it; the router dates it on its own clock. So a request routed before a report was
     built counts as in the report, and one routed after it as still owed. (With times
     of day, the replica ahead would hide every request owed and the one behind would
-    count them all twice: bursts would pile up, or replicas would look full.)"""
+    count them all twice: bursts would pile up, or replicas would look full.)
+
+    The events are 10 s apart on the router's clock (a request routed 20 s ago, a report
+    built 10 s ago, a request routed now), so that no delay of Ray's calls on a busy
+    machine can reorder them."""
     address = ("kvserve-test", "coordinator:skew")
     coordinator = get_coordinator(address)
     router = KVAwareRouter(DeploymentID(name="LLMServer", app_name="skew"), DeploymentHandleSource.UNKNOWN)
@@ -449,26 +456,31 @@ def test_reports_are_dated_by_age_so_clock_skew_between_nodes_does_not_matter(ra
     skew_s = {"a": 3600.0, "b": -3600.0}
     report = replica_report(free=60)
 
-    def route(request_id: str, name: str, max_tokens: int) -> None:
-        router.on_request_routed(pending(request_id, max_tokens, list(range(8))), replicas[name], None)
+    def route(request_id: str, name: str, max_tokens: int, ago_s: float) -> None:
+        """Routed ago_s seconds ago, on the router's clock (the one its snapshots use)."""
+        router.clock = lambda: time.monotonic() - ago_s
+        try:
+            router.on_request_routed(pending(request_id, max_tokens, list(range(8))), replicas[name], None)
+        finally:
+            router.clock = time.monotonic
 
     async def scenario() -> dict[str, int]:
         router._start_refresher()
         for name in "ab":  # a first report, so that the router has views to count against
             ray.get(coordinator.report.remote(name, report))
-        await asyncio.sleep(0.2)
+        await wait_for_async(lambda: set(router._views) == {"a", "b"})
         for name in "ab":
-            route(f"before-{name}", name, 40)  # 48 tokens: 3 blocks
-        await asyncio.sleep(0.2)
-        built_at = {name: time.monotonic() + skew_s[name] for name in "ab"}  # each node's clock
-        await asyncio.sleep(0.2)
+            route(f"before-{name}", name, 40, ago_s=20.0)  # 48 tokens: 3 blocks
+        built_at = {name: time.monotonic() - 10.0 + skew_s[name] for name in "ab"}  # each node's clock
         for name in "ab":
-            route(f"after-{name}", name, 72)  # 80 tokens: 5 blocks
-        await asyncio.sleep(0.1)
+            route(f"after-{name}", name, 72, ago_s=0.0)  # 80 tokens: 5 blocks
         for name in "ab":
             age_s = time.monotonic() + skew_s[name] - built_at[name]
-            ray.get(coordinator.report.remote(name, replace(report, age_s=age_s)))
-        await asyncio.sleep(0.2)
+            # It carries the request routed before it: 3 blocks fewer free.
+            ray.get(coordinator.report.remote(name, replace(report, num_free_blocks=57, age_s=age_s)))
+        await wait_for_async(
+            lambda: {r: v.free_blocks for r, v in router._views.items()} == {"a": 57, "b": 57}
+        )
         return router._owed_by_replica()
 
     try:
@@ -531,6 +543,89 @@ def test_following_snapshots_ends_whenever_it_is_cancelled(ray_cluster):
     assert 0 < with_snapshots < 150, f"{with_snapshots} of 150 loops got a snapshot"
 
 
+def test_a_router_falls_back_to_power_of_two_at_its_first_snapshot_after_the_coordinator_dies(ray_cluster):
+    """docs/failures.md: routers fall back to power-of-two choices at once and recreate
+    the coordinator. A router with views of two replicas, its coordinator killed: the
+    first snapshot it is handed after the death is empty, because asking the dead actor
+    fails with its death (not the 2 s timeout, nor the reports going stale), and from
+    then on it ranks nothing and choose_replicas samples two candidates. Looking the
+    coordinator up again recreates it; once the replicas report to the new one, the
+    router ranks again."""
+    address = ("kvserve-test", "coordinator:fallback")
+    coordinator = get_coordinator(address)
+    deployment = DeploymentID(name="LLMServer", app_name="fallback")
+    router = KVAwareRouter(deployment, DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(coordinator=address, refresh_interval_s=0.02)
+    a, b, c = (ReplicaID(name, deployment) for name in "abc")
+    handed: list[tuple[float, list[str]]] = []  # (when, the replicas in it), each snapshot as handed over
+    use_snapshot = router._use_snapshot
+
+    def recording(snapshot: dict, asked_at: float) -> None:
+        handed.append((time.monotonic(), sorted(snapshot)))
+        use_snapshot(snapshot, asked_at)
+
+    router._use_snapshot = recording
+    warnings: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("ray.serve").addHandler(handler)
+
+    def dead() -> bool:
+        try:
+            ray.get(coordinator.snapshot.remote(), timeout=30)
+        except ray.exceptions.RayActorError:
+            return True
+        return False
+
+    def recreated() -> bool:
+        """The name answers again: the actor killed cannot, so this is a new one."""
+        namespace, name = address
+        try:
+            return ray.get(ray.get_actor(name, namespace=namespace).snapshot.remote(), timeout=30) == {}
+        except (ValueError, ray.exceptions.RayActorError):
+            return False
+
+    async def scenario() -> None:
+        router._start_refresher()
+        for name in "ab":
+            ray.get(coordinator.report.remote(name, replica_report()))
+        await wait_for_async(lambda: set(router._views) == {"a", "b"})
+        assert router.rank([a, b], pending("with-views")) is not None
+        ray.kill(coordinator)
+        # ray.kill returns before the actor is gone: dead once a call to it fails.
+        deadline = time.monotonic() + 30
+        while not await asyncio.to_thread(dead):
+            assert time.monotonic() < deadline, "the killed coordinator still answers"
+        died_at = time.monotonic()
+        await wait_for_async(lambda: any(at > died_at for at, _ in handed))
+        first_after = next(replicas for at, replicas in handed if at > died_at)
+        assert first_after == [], handed
+        lost = [w for w in warnings if w.startswith("lost the coordinator, routing by power of two")]
+        assert lost and all("ActorDiedError" in w for w in lost), warnings
+        # Nothing reports to the new coordinator yet: the router stays on power of two.
+        assert router._views == {}
+        assert router.rank([a, b], pending("without-views")) is None
+        candidates = [SimpleNamespace(replica_id=r) for r in (a, b, c)]
+        (two,) = await router.choose_replicas(candidates, pending("routed-by-pow2"))
+        assert len(two) == 2 and len({r.replica_id for r in two}) == 2
+        deadline = time.monotonic() + 30
+        while not await asyncio.to_thread(recreated):
+            assert time.monotonic() < deadline, "the router did not recreate the coordinator"
+        namespace, name = address
+        for replica in "ab":  # as each replica's report pusher finds the new one
+            ray.get(ray.get_actor(name, namespace=namespace).report.remote(replica, replica_report()))
+        await wait_for_async(lambda: set(router._views) == {"a", "b"})
+        assert router.rank([a, b], pending("with-views-again")) is not None
+        router._refresher.cancel()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        logging.getLogger("ray.serve").removeHandler(handler)
+        with contextlib.suppress(ValueError):
+            ray.kill(ray.get_actor(address[1], namespace=address[0]))
+
+
 def test_group_ranks_best_first_and_ties_share_a_rank():
     assert group_ranks({"a": (1, 0), "b": (3, 2), "c": (1, 0), "d": (3, 5)}) == [["d"], ["b"], ["a", "c"]]
 
@@ -571,6 +666,32 @@ def snapshot() -> dict[str, ReplicaReport]:
         return {}
 
 
+def free_blocks_seen(router: KVAwareRouter) -> dict[str, int]:
+    """What a KV router believes each replica has free (ReplicaView.free_blocks), by id."""
+    return {replica_id: view.free_blocks for replica_id, view in router._views.items()}
+
+
+def handle_router(handle) -> KVAwareRouter:
+    """The KV router behind a DeploymentHandle of this process. Serve keeps it to itself:
+    these are Ray 2.60's private attributes (pyproject pins that version). Serve ships the
+    router's module by value, so the class is checked by name."""
+    router = handle._router._asyncio_router._request_router
+    assert type(router).__name__ == "KVAwareRouter", router
+    return router
+
+
+def ingress_router_free_blocks() -> dict[str, int]:
+    """free_blocks_seen of the router that places the app's HTTP requests: the ingress's
+    handle's, in the ingress's process (Ray 2.60's private attributes, as handle_router)."""
+    return in_ingress(
+        APP,
+        lambda ingress: {
+            replica_id: view.free_blocks
+            for replica_id, view in ingress.llms[0]._router._asyncio_router._request_router._views.items()
+        },
+    )
+
+
 def idle() -> bool:
     replicas = snapshot().values()
     return len(replicas) == 2 and all(
@@ -596,7 +717,11 @@ def test_new_requests_go_to_the_replica_with_more_free_blocks(router_app):
         filled = next(big).replica_id
         # 620 prompt tokens hold 39 of 64 blocks; wait until the coordinator has seen it.
         wait_for(lambda: filled in snapshot() and snapshot()[filled].num_free_blocks <= NUM_BLOCKS - 39)
-        time.sleep(0.3)  # the router's copy refreshes every 100 ms
+        # and until the handle's router, whose copy of the snapshot refreshes every 100 ms,
+        # has seen it too: a router owes what it placed only where it had a view, and this
+        # one, started by the long request, may have had none yet.
+        seen = handle_router(router_app)
+        wait_for(lambda: free_blocks_seen(seen).get(filled, NUM_BLOCKS) <= NUM_BLOCKS - 39)
         for _ in range(5):
             small = router_app.options(stream=True).generate.remote(
                 GenerateRequest(random_prompt(rng, 20), short)
@@ -630,9 +755,10 @@ def test_back_to_back_bursts_of_equal_requests_split_evenly_over_http(router_app
     Each replica serves at most 60% of them, every time (Serve ranks a burst before it
     routes any of it, and a report may still show the last burst's requests)."""
     # Once, for the test before, whose requests another router (the test's handle)
-    # placed: the ingress's router learns of them only from reports.
+    # placed: the ingress's router learns of them only from reports, so until its copy of
+    # the snapshot shows both replicas idle too.
     wait_for(idle)
-    time.sleep(0.3)
+    wait_for(lambda: ingress_router_free_blocks() == dict.fromkeys(snapshot(), NUM_BLOCKS), interval_s=0.2)
     rng = random.Random(5)
     for run in range(3):
         body = {"model": MODEL, "prompt": random_prompt(rng, 40), "max_tokens": 4, "temperature": 0}
@@ -714,6 +840,9 @@ def test_32_concurrent_mixed_requests_across_two_replicas(router_app, llm_fp32, 
 
 
 def test_routing_survives_the_coordinator_dying(router_app):
+    """The app's side of test_a_router_falls_back_to_power_of_two_at_its_first_snapshot_
+    after_the_coordinator_dies: requests are answered while the coordinator is gone, and
+    it comes back with both replicas' reports."""
     namespace, name = coordinator_address(APP)
     ray.kill(ray.get_actor(name, namespace=namespace))
     rng = random.Random(1)

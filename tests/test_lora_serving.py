@@ -15,7 +15,7 @@ import openai
 import pytest
 import ray
 import torch
-from conftest import SERVE_GRPC_PORT, SERVE_HTTP_PORT, hf_greedy, save_lora_adapter, undeploy
+from conftest import SERVE_GRPC_PORT, SERVE_HTTP_PORT, hf_greedy, save_lora_adapter, undeploy, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 from test_coordinator import report
@@ -323,10 +323,8 @@ def test_load_and_unload_under_load_lose_nothing(base_url, client, adapters):
     models = ["busy", "busy", "startup", MODEL]
     with ThreadPoolExecutor(len(models)) as pool:
         futures = [pool.submit(complete, model) for model in models]
-        for _ in range(200):  # until they all run
-            if llm.stats.remote().result().num_running == len(models):
-                break
-            time.sleep(0.05)
+        # Until they all run: the unload must find its adapter's requests running.
+        wait_for(lambda: llm.stats.remote().result().num_running == len(models), timeout_s=30)
         assert unload(base_url, "busy").status_code == 200
         assert load(base_url, "extra", adapters["runtime"]).status_code == 200
         results = [future.result(timeout=120) for future in futures]

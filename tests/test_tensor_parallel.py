@@ -10,7 +10,7 @@ import psutil
 import pytest
 import ray
 import torch
-from conftest import SERVE_HTTP_PORT, coordinator_snapshot, hf_greedy, release_memory, undeploy
+from conftest import SERVE_HTTP_PORT, coordinator_snapshot, hf_greedy, release_memory, undeploy, wait_for
 from hypothesis import given
 from hypothesis import strategies as st
 from ray import serve
@@ -309,9 +309,15 @@ def test_a_tp2_replica_beside_a_tp1_replica_shares_the_load(ray_cluster, model_p
 
         texts = asyncio.run(burst(prompts[:8])) + asyncio.run(burst(prompts[8:]))
         assert texts == [o.text for o in want]
-        time.sleep(0.5)  # the replicas' next reports
-        after = coordinator_snapshot(app)
-        taken = {rid: (after[rid].prefix_cache_queries - before[rid]) // 2 for rid in before}
+        taken = {}
+
+        def all_reported() -> bool:
+            """The replicas report about every 100 ms: until their reports hold all 16."""
+            after = coordinator_snapshot(app)
+            taken.update({rid: (after[rid].prefix_cache_queries - before[rid]) // 2 for rid in before})
+            return sum(taken.values()) >= 16
+
+        wait_for(all_reported, timeout_s=30)
         assert sum(taken.values()) == 16, taken
         assert min(taken.values()) >= 4, taken  # neither group sat out, nor took nearly all
     finally:

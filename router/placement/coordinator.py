@@ -72,17 +72,44 @@ class LoRARegistry:
                 self.register_lora(name, path, replace_existing=True)
 
 
+class ReportBook:
+    """Every replica's latest report, under the coordinator's method names: what the
+    coordinator holds, apart from Ray, so that its timing can be tested on a clock moved
+    by hand. clock: where arrival and snapshot times are read (time.monotonic)."""
+
+    def __init__(
+        self, stale_after_s: float = DEFAULT_STALE_AFTER_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.stale_after_s = stale_after_s
+        self.clock = clock
+        # replica id -> (when its report arrived, the report)
+        self._latest: dict[str, tuple[float, ReplicaReport]] = {}
+
+    def report(self, replica_id: str, report: ReplicaReport) -> None:
+        self._latest[replica_id] = (self.clock(), report)
+
+    def forget(self, replica_id: str) -> None:
+        self._latest.pop(replica_id, None)
+
+    def snapshot(self) -> dict[str, ReplicaReport]:
+        """Latest report of every replica heard from within stale_after_s. Each report's
+        `age_s` (how old it was when sent) grows by the time it has waited here: ages,
+        unlike times of day, mean the same on every node, whatever its clock says."""
+        now = self.clock()
+        for replica_id in [r for r, (t, _) in self._latest.items() if t < now - self.stale_after_s]:
+            del self._latest[replica_id]
+        return {r: replace(report, age_s=report.age_s + now - t) for r, (t, report) in self._latest.items()}
+
+
 @ray.remote(num_cpus=0)
 class Coordinator:
     def __init__(self, stale_after_s: float = DEFAULT_STALE_AFTER_S):
-        self.stale_after_s = stale_after_s
-        # replica id -> (when its report arrived, the report)
-        self._latest: dict[str, tuple[float, ReplicaReport]] = {}
+        self._reports = ReportBook(stale_after_s)
         self._loras = LoRARegistry()
 
     def report(self, replica_id: str, report: ReplicaReport) -> list[int]:
         """The registered adapters' ids: a replica drops loaded adapters not among them."""
-        self._latest[replica_id] = (time.monotonic(), report)
+        self._reports.report(replica_id, report)
         return [lora.lora_int_id for lora in self._loras.loras()]
 
     def register_lora(self, name: str, path: str) -> LoRARequest:
@@ -103,16 +130,11 @@ class Coordinator:
         self._loras.seed_loras(modules)
 
     def forget(self, replica_id: str) -> None:
-        self._latest.pop(replica_id, None)
+        self._reports.forget(replica_id)
 
     def snapshot(self) -> dict[str, ReplicaReport]:
-        """Latest report of every replica heard from within stale_after_s. Each report's
-        `age_s` (how old it was when sent) grows by the time it has waited here: ages,
-        unlike times of day, mean the same on every node, whatever its clock says."""
-        now = time.monotonic()
-        for replica_id in [r for r, (t, _) in self._latest.items() if t < now - self.stale_after_s]:
-            del self._latest[replica_id]
-        return {r: replace(report, age_s=report.age_s + now - t) for r, (t, report) in self._latest.items()}
+        """ReportBook.snapshot: the fresh replicas' latest reports, aged by their wait here."""
+        return self._reports.snapshot()
 
 
 def coordinator_address(app_name: str) -> tuple[str, str]:
