@@ -6,8 +6,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import tempfile  # noqa: E402
 
 # The CPU kernel timings of this test session (the models here are mostly tiny random
-# ones), apart from the user's cache; Ray's workers inherit it.
-os.environ.setdefault("KVSERVE_KERNEL_CACHE", tempfile.mkdtemp(prefix="kvserve-kernels-"))
+# ones), apart from the user's cache; Ray's workers and the pytest runs that tests start
+# inherit it. The session that made it removes it at its end (pytest_unconfigure).
+OWN_KERNEL_CACHE = None
+if "KVSERVE_KERNEL_CACHE" not in os.environ:
+    OWN_KERNEL_CACHE = os.environ["KVSERVE_KERNEL_CACHE"] = tempfile.mkdtemp(prefix="kvserve-kernels-")
 
 # Serve checks its HTTP proxy this often (Ray's default 10 s) and replaces it after three
 # failures in a row: the chaos run of tests/test_migration.py kills the proxy, which then
@@ -20,6 +23,7 @@ import contextlib  # noqa: E402
 import ctypes  # noqa: E402
 import gc  # noqa: E402
 import importlib.util  # noqa: E402
+import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
@@ -46,6 +50,11 @@ def pytest_configure(config):
     # with Ray, which the GPU machine's image (scripts/device_check.sh) does not have.
     if importlib.util.find_spec("pydantic"):
         config.addinivalue_line("filterwarnings", "ignore::pydantic.warnings.PydanticDeprecatedSince20")
+
+
+def pytest_unconfigure(config):
+    if OWN_KERNEL_CACHE is not None:
+        shutil.rmtree(OWN_KERNEL_CACHE, ignore_errors=True)
 
 
 def pytest_runtest_setup(item):

@@ -3,6 +3,7 @@ in this process, rank 1 in a Ray actor of the engine's placement group; greedy o
 must equal HF generate token for token in fp32."""
 
 import asyncio
+import contextlib
 import time
 
 import openai
@@ -198,127 +199,149 @@ def test_fewer_gpus_than_asked_is_a_clear_error(ray_cluster, model_path, monkeyp
     assert not [pg for pg in ray.util.placement_group_table().values() if pg["state"] == "PENDING"]
 
 
-def test_a_tp2_replica_serves_and_is_replaced_when_a_worker_dies(ray_cluster, model_path, llm_fp32):
-    """One Serve replica over a placement group of 2 bundles: the openai client gets the
-    offline greedy text; the coordinator (and so the KV router) sees one replica. When its
-    worker dies, the health check fails and Serve starts a new replica with new workers."""
-    app = "tp-test"
-    serve.run(
-        build_app(
-            {
-                "app_name": app,
-                "model": str(model_path),
-                "served_model_name": "tp",
-                "engine_args": {"dtype": "float32", "tensor_parallel_size": 2, "kv_cache_memory_gb": 0.1},
-                "health_check_period_s": 1,  # three failed checks replace it: 3 s, not 30
-            }
-        ),
-        name=app,
-        route_prefix="/tp",
-    )
-    try:
-        client = openai.OpenAI(
-            base_url=f"http://127.0.0.1:{SERVE_HTTP_PORT}/tp/v1", api_key="x", max_retries=0
-        )
-        prompt = "The capital of France is"
-        (want,) = llm_fp32.generate(prompt, SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)
-        out = client.completions.create(model="tp", prompt=prompt, max_tokens=16, temperature=0)
-        assert out.choices[0].text == want.text
-        stream = client.completions.create(
-            model="tp", prompt=prompt, max_tokens=16, temperature=0, stream=True
-        )
-        assert "".join(c.choices[0].text for c in stream if c.choices) == want.text
-
-        (first_id, report), *others = coordinator_snapshot(app).items()
-        assert not others and report.tensor_parallel_size == 2
-        tables = ray.util.placement_group_table().values()
-        assert any(
-            len(pg["bundles"]) == 2 and pg["strategy"] == "STRICT_PACK" and pg["state"] == "CREATED"
-            for pg in tables
-        )
-
-        # process_iter keeps its Process objects between calls, whoever made them, and
-        # yields a kept one for a reused PID: its kill() then refuses. Fresh ones only.
-        psutil.process_iter.cache_clear()
-        (worker,) = [
-            p
-            for p in psutil.process_iter(["cmdline"])
-            if "ray::TPWorker" in " ".join(p.info["cmdline"] or [])
-        ]
-        long = client.completions.create(
-            model="tp", prompt=prompt, max_tokens=2000, stream=True, extra_body={"ignore_eos": True}
-        )
-        next(iter(long))  # running on the replica
-        worker.kill()  # a crash, as an OOM kill or a lost GPU would be
-        with pytest.raises(openai.APIError, match="EngineStepError"):
-            for _ in long:  # the replica fails it at once, and there is no other replica to move to
-                pass
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            replicas = coordinator_snapshot(app)
-            if replicas and first_id not in replicas:
-                break
-            time.sleep(1)
-        assert replicas and first_id not in replicas, "Serve did not replace the replica"
-        out = client.completions.create(model="tp", prompt=prompt, max_tokens=16, temperature=0)
-        assert out.choices[0].text == want.text
-    finally:
-        undeploy(app)
+MIX = "tp-mix"
 
 
-def test_a_tp2_replica_beside_a_tp1_replica_shares_the_load(ray_cluster, model_path, llm_fp32, tokenizer):
-    """A replica group of TP=2 replicas beside the app's TP=1 ones (Serve gives a
-    deployment's replicas one shape, so each shape is a deployment): both take part of
-    each burst, ranked by the KV router's placement over the coordinator's snapshot,
-    and both answer with the same greedy text."""
-    app = "tp-mix"
+@pytest.fixture(scope="module")
+def mixed_app(ray_cluster, model_path):
+    """One app of a TP=1 replica and, as a replica group, a TP=2 one (Serve gives a
+    deployment's replicas one shape, so each shape is a deployment), deployed once for
+    the tests below. Health checks every second, so that three failed ones replace a
+    replica in 3 s, not 30; no migrations, so that a request on a replica whose worker
+    dies fails there rather than moving to the other shape."""
     config = {
-        "app_name": app,
+        "app_name": MIX,
         "model": str(model_path),
         "served_model_name": "mix",
         "engine_args": {"dtype": "float32", "kv_cache_memory_gb": 0.05},
-        "replica_groups": [{"name": "tp2", "engine_args": {"tensor_parallel_size": 2}}],
+        "replica_groups": [
+            {"name": "tp2", "engine_args": {"tensor_parallel_size": 2, "kv_cache_memory_gb": 0.1}}
+        ],
+        "health_check_period_s": 1,
+        "max_migrations": 0,
     }
-    serve.run(build_app(config), name=app, route_prefix="/mix")
-    try:
-        deadline = time.monotonic() + 60
-        while len(reports := coordinator_snapshot(app)) < 2 and time.monotonic() < deadline:
-            time.sleep(0.5)
-        by_shape = {r.deployment: (rid, r.tensor_parallel_size) for rid, r in reports.items()}
-        assert {shape for _, shape in by_shape.values()} == {1, 2}, by_shape
+    serve.run(build_app(config), name=MIX, route_prefix="/mix")
+    wait_for(lambda: len(coordinator_snapshot(MIX)) == 2, timeout_s=60, interval_s=0.5)
+    yield openai.OpenAI(
+        base_url=f"http://127.0.0.1:{SERVE_HTTP_PORT}/mix/v1", api_key="x", max_retries=0, timeout=120
+    )
+    undeploy(MIX)
 
-        # Distinct prompts of 2 full blocks each: every request queries 2 blocks of the
-        # prefix cache wherever it lands, so each replica's count says how many it took.
-        prompts = [f"{i} " + "a quick brown fox jumps over the lazy dog " * 4 for i in range(16)]
-        assert all(32 < len(tokenizer(p).input_ids) < 48 for p in prompts)
-        want = llm_fp32.generate(prompts, SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)
-        client = openai.OpenAI(
-            base_url=f"http://127.0.0.1:{SERVE_HTTP_PORT}/mix/v1", api_key="x", max_retries=0, timeout=120
+
+def two_block_prompts(tokenizer, n: int) -> list[str]:
+    """Distinct prompts of 2 full blocks each: every request queries 2 blocks of the
+    prefix cache wherever it lands, so a replica's count says how many it took."""
+    prompts = [f"{i} " + "a quick brown fox jumps over the lazy dog " * 4 for i in range(n)]
+    assert all(32 < len(tokenizer(p).input_ids) < 48 for p in prompts)
+    return prompts
+
+
+def burst(client: openai.OpenAI, prompts: list[str]) -> list[str]:
+    """The greedy texts of `prompts`, all sent at once."""
+
+    async def send() -> list[str]:
+        aclient = openai.AsyncOpenAI(base_url=client.base_url, api_key="x", max_retries=0, timeout=120)
+        asks = [
+            aclient.completions.create(model="mix", prompt=p, max_tokens=12, temperature=0) for p in prompts
+        ]
+        return [o.choices[0].text for o in await asyncio.gather(*asks)]
+
+    return asyncio.run(send())
+
+
+def test_a_tp2_replica_beside_a_tp1_replica_shares_the_load(mixed_app, llm_fp32, tokenizer):
+    """Both shapes take part of each burst, ranked by the KV router's placement over the
+    coordinator's snapshot, and both answer with the offline engine's greedy text."""
+    by_shape = {r.deployment: (rid, r.tensor_parallel_size) for rid, r in coordinator_snapshot(MIX).items()}
+    assert {shape for _, shape in by_shape.values()} == {1, 2}, by_shape
+
+    prompts = two_block_prompts(tokenizer, 16)
+    want = llm_fp32.generate(prompts, SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)
+    before = {rid: r.prefix_cache_queries for rid, r in coordinator_snapshot(MIX).items()}
+
+    texts = burst(mixed_app, prompts[:8]) + burst(mixed_app, prompts[8:])
+    assert texts == [o.text for o in want]
+    taken = {}
+
+    def all_reported() -> bool:
+        """The replicas report about every 100 ms: until their reports hold all 16."""
+        after = coordinator_snapshot(MIX)
+        taken.update({rid: (after[rid].prefix_cache_queries - before[rid]) // 2 for rid in before})
+        return sum(taken.values()) >= 16
+
+    wait_for(all_reported, timeout_s=30)
+    assert sum(taken.values()) == 16, taken
+    assert min(taken.values()) >= 4, taken  # neither group sat out, nor took nearly all
+
+
+def test_a_tp2_replica_fails_its_requests_and_is_replaced_when_a_worker_dies(mixed_app, llm_fp32, tokenizer):
+    """The TP=2 replica runs over a placement group of 2 bundles, its rank 1 in a worker
+    actor. When that worker dies, the replica fails the request it runs at its next step,
+    its health check fails, and Serve starts a new replica with new workers, which serves
+    the offline engine's greedy text."""
+    (tp2_id,) = [rid for rid, r in coordinator_snapshot(MIX).items() if r.tensor_parallel_size == 2]
+    tables = ray.util.placement_group_table().values()
+    assert any(
+        len(pg["bundles"]) == 2 and pg["strategy"] == "STRICT_PACK" and pg["state"] == "CREATED"
+        for pg in tables
+    )
+    # process_iter keeps its Process objects between calls, whoever made them, and
+    # yields a kept one for a reused PID: its kill() then refuses. Fresh ones only.
+    psutil.process_iter.cache_clear()
+    (worker,) = [
+        p for p in psutil.process_iter(["cmdline"]) if "ray::TPWorker" in " ".join(p.info["cmdline"] or [])
+    ]
+
+    # Streams until one runs on the TP=2 replica: idle, it has the more free blocks, so
+    # the router sends it the first; each stream holds its replica's blocks.
+    prompt = "The capital of France is"
+    streams = []
+    while not coordinator_snapshot(MIX)[tp2_id].num_running:
+        assert len(streams) < 4, "no stream reached the TP=2 replica"
+        stream = mixed_app.completions.create(
+            model="mix", prompt=prompt, max_tokens=2000, stream=True, extra_body={"ignore_eos": True}
         )
-        before = {rid: r.prefix_cache_queries for rid, r in coordinator_snapshot(app).items()}
+        next(iter(stream))  # running on its replica
+        streams.append(stream)
+        with contextlib.suppress(AssertionError):  # its report may take a push to show it
+            wait_for(lambda: coordinator_snapshot(MIX)[tp2_id].num_running > 0, timeout_s=2)
+    worker.kill()  # a crash, as an OOM kill or a lost GPU would be
+    # The TP=2 replica fails its stream at its next step (no move: max_migrations 0); a
+    # stream that still brings tokens 10 s later runs on the TP=1 replica, undisturbed.
+    settled = time.monotonic() + 10
+    failed = 0
+    for stream in streams:
+        try:
+            for _ in stream:
+                if time.monotonic() > settled:
+                    stream.close()
+                    break
+        except openai.APIError as e:
+            assert "EngineStepError" in str(e)
+            failed += 1
+    assert failed == 1
 
-        async def burst(batch: list[str]) -> list[str]:
-            aclient = openai.AsyncOpenAI(base_url=client.base_url, api_key="x", max_retries=0, timeout=120)
-            outs = await asyncio.gather(
-                *(
-                    aclient.completions.create(model="mix", prompt=p, max_tokens=12, temperature=0)
-                    for p in batch
-                )
-            )
-            return [o.choices[0].text for o in outs]
+    def replaced() -> bool:
+        shapes = {rid: r.tensor_parallel_size for rid, r in coordinator_snapshot(MIX).items()}
+        return tp2_id not in shapes and sorted(shapes.values()) == [1, 2]
 
-        texts = asyncio.run(burst(prompts[:8])) + asyncio.run(burst(prompts[8:]))
-        assert texts == [o.text for o in want]
-        taken = {}
+    wait_for(replaced, timeout_s=120, interval_s=0.5)
+    (new_id,) = [rid for rid, r in coordinator_snapshot(MIX).items() if r.tensor_parallel_size == 2]
+    # Bursts of fresh prompts until the new replica has taken one: the ingress's handle
+    # and router learn of it a moment after the coordinator does.
+    prompts = two_block_prompts(tokenizer, 36)[16:]
+    want = llm_fp32.generate(prompts, SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)
+    before = {rid: r.prefix_cache_queries for rid, r in coordinator_snapshot(MIX).items()}
+    taken = {}
+    for start in range(0, len(prompts), 4):
+        assert burst(mixed_app, prompts[start : start + 4]) == [o.text for o in want[start : start + 4]]
 
-        def all_reported() -> bool:
-            """The replicas report about every 100 ms: until their reports hold all 16."""
-            after = coordinator_snapshot(app)
+        def reported(sent: int) -> bool:
+            after = coordinator_snapshot(MIX)
             taken.update({rid: (after[rid].prefix_cache_queries - before[rid]) // 2 for rid in before})
-            return sum(taken.values()) >= 16
+            return sum(taken.values()) == sent
 
-        wait_for(all_reported, timeout_s=30)
-        assert sum(taken.values()) == 16, taken
-        assert min(taken.values()) >= 4, taken  # neither group sat out, nor took nearly all
-    finally:
-        undeploy(app)
+        wait_for(lambda sent=start + 4: reported(sent), timeout_s=30)
+        if taken[new_id]:
+            break
+    assert taken[new_id] > 0, taken
