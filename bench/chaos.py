@@ -164,11 +164,11 @@ def snapshot(app: str) -> dict[str, ReplicaReport]:
         return {}
 
 
-def _complete(client: openai.OpenAI, model: str, prompt: int, max_tokens: int, stream: bool):
+def greedy_completion(client: openai.OpenAI, model: str, prompt: str, max_tokens: int, stream: bool):
     """Greedy, so that a prompt has one right answer, and never stopped early by EOS."""
     return client.completions.create(
         model=model,
-        prompt=PROMPTS[prompt],
+        prompt=prompt,
         max_tokens=max_tokens,
         temperature=0,
         stream=stream,
@@ -181,8 +181,11 @@ def undisturbed_texts(base_url: str, model: str, prompts: int, max_tokens: int) 
     """Each prompt's answer before anything is killed, all asked at once as in the run."""
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="-", max_retries=0, timeout=120)
     with ThreadPoolExecutor(prompts) as pool:
-        answers = pool.map(lambda i: _complete(client, model, i, max_tokens, stream=False), range(prompts))
-        return [answer.choices[0].text for answer in answers]
+        answers = [
+            pool.submit(greedy_completion, client, model, prompt, max_tokens, stream=False)
+            for prompt in PROMPTS[:prompts]
+        ]
+        return [answer.result().choices[0].text for answer in answers]
 
 
 def verdict(text: str, tokens: int | None, expected: str, max_tokens: int) -> tuple[str, str]:
@@ -215,7 +218,7 @@ def _client_loop(
         status = "ok"
         try:
             tokens = None
-            for chunk in _complete(client, model, outcome.prompt, max_tokens, stream=True):
+            for chunk in greedy_completion(client, model, PROMPTS[outcome.prompt], max_tokens, stream=True):
                 if chunk.choices and chunk.choices[0].text:
                     outcome.text += chunk.choices[0].text
                     flowing.set()

@@ -33,7 +33,7 @@ from conftest import SERVE_GRPC_PORT, SERVE_HTTP_PORT, coordinator_snapshot, und
 from ray import serve
 from test_metrics import metric_values
 
-from bench.chaos import Outcome, run_chaos, verdict
+from bench.chaos import Outcome, greedy_completion, run_chaos, verdict
 from deployments.app import build_app
 from router.api.protos import kvserve_pb2 as pb
 from router.api.protos import kvserve_pb2_grpc as pb_grpc
@@ -56,15 +56,7 @@ def http_request(client: openai.OpenAI, i: int, stream: bool):
     """Greedy: a seeded stream resumes exactly too (tests/test_resume.py), but here the
     undisturbed run it is compared with batches it differently, and a sampled draw that
     falls within fp32 rounding of a token boundary can go either way."""
-    return client.completions.create(
-        model=MODEL,
-        prompt=HTTP_PROMPTS[i],
-        max_tokens=MAX_TOKENS,
-        temperature=0,
-        stream=stream,
-        stream_options={"include_usage": True} if stream else None,
-        extra_body={"ignore_eos": True},
-    )
+    return greedy_completion(client, MODEL, HTTP_PROMPTS[i], MAX_TOKENS, stream)
 
 
 def grpc_request(i: int) -> pb.GenerateRequest:
